@@ -1,0 +1,147 @@
+"""The client-side training loop of split learning (no Flower imports).
+
+Per batch: run the bottom layers, send the activations at the cut over a
+:class:`~splitlearn.transport.TrunkSession`, receive the gradient at the cut,
+finish the backward pass and step the client optimiser. Compute time counts
+only the client's own forward/backward/step, not the wait for the trunk, so a
+virtual clock can rescale it for a slower device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from splitlearn.transport import TrunkSession
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    """What one client did in one round.
+
+    Parameters
+    ----------
+    examples : int
+        Samples processed (summed over epochs).
+    steps : int
+        Batches exchanged with the trunk.
+    loss : float
+        Mean training loss reported by the trunk.
+    accuracy : float
+        Training accuracy reported by the trunk.
+    compute_s : float
+        Seconds of client-side compute (forward, backward, optimiser step).
+    wall_s : float
+        Seconds from first batch to last, including waiting for the trunk.
+    bytes_up : int
+        Data-plane bytes sent.
+    bytes_down : int
+        Data-plane bytes received.
+    """
+
+    examples: int
+    steps: int
+    loss: float
+    accuracy: float
+    compute_s: float
+    wall_s: float
+    bytes_up: int
+    bytes_down: int
+
+
+def train_bottom(
+    bottom: nn.Module,
+    batches: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]],
+    session: TrunkSession,
+    *,
+    epochs: int,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    on_step: Callable[[int], None] | None = None,
+) -> TrainReport:
+    """Train the client-side layers for ``epochs`` passes over ``batches()``.
+
+    Parameters
+    ----------
+    bottom : nn.Module
+        Client-side stages; updated in place.
+    batches : Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]
+        Returns one epoch's (inputs, labels) batches each time it is called.
+    session : TrunkSession
+        Open data-plane session.
+    epochs : int
+        Passes over the data.
+    lr, momentum, weight_decay : float
+        SGD settings (match the trunk's for whole-model-equivalent updates).
+    on_step : Callable[[int], None], optional
+        Called after every completed step with the step count (fault injection,
+        progress); an exception it raises aborts training.
+
+    Returns
+    -------
+    TrainReport
+        Counts, losses and timings for the round.
+    """
+    optimizer = torch.optim.SGD(
+        bottom.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
+    )
+    bottom.train()
+    steps = examples = correct = 0
+    loss_sum = compute_s = 0.0
+    start = time.perf_counter()
+    for _ in range(epochs):
+        for inputs, labels in batches():
+            t0 = time.perf_counter()
+            activations = bottom(inputs)
+            t1 = time.perf_counter()
+            reply = session.exchange(activations.detach(), labels)
+            t2 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            activations.backward(reply.grad)
+            optimizer.step()
+            compute_s += (t1 - t0) + (time.perf_counter() - t2)
+            steps += 1
+            examples += len(labels)
+            correct += reply.correct
+            loss_sum += reply.loss * len(labels)
+            if on_step is not None:
+                on_step(steps)
+    return TrainReport(
+        examples=examples,
+        steps=steps,
+        loss=loss_sum / max(examples, 1),
+        accuracy=correct / max(examples, 1),
+        compute_s=compute_s,
+        wall_s=time.perf_counter() - start,
+        bytes_up=session.bytes_up,
+        bytes_down=session.bytes_down,
+    )
+
+
+@torch.no_grad()
+def evaluate_bottom(
+    bottom: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    session: TrunkSession,
+) -> tuple[float, float, int]:
+    """Evaluate bottom + trunk on local data through the data plane.
+
+    Returns
+    -------
+    tuple[float, float, int]
+        Mean loss, accuracy and number of examples.
+    """
+    bottom.eval()
+    examples = correct = 0
+    loss_sum = 0.0
+    for inputs, labels in batches:
+        reply = session.evaluate(bottom(inputs), labels)
+        examples += len(labels)
+        correct += reply.correct
+        loss_sum += reply.loss * len(labels)
+    return loss_sum / max(examples, 1), correct / max(examples, 1), examples

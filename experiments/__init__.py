@@ -1,0 +1,1 @@
+"""Experiment entry points: the Hydra run, benchmarks."""

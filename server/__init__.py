@@ -1,0 +1,1 @@
+"""Flower ServerApp, the shared trunk and its gRPC data-plane service."""

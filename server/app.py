@@ -1,0 +1,277 @@
+"""The Flower ServerApp: trunk service in ``lifespan``, SplitFed in ``main``.
+
+Two ways in, one code path:
+
+* ``experiments.run`` (Hydra) composes the config and calls
+  :func:`build_server_app` with it, then runs Flower's Simulation Engine.
+* ``flwr run .`` loads the module-level :data:`app`, which composes the config
+  from the run config's ``overrides`` string (Hydra override syntax).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader
+
+from server.trunk import Trunk
+from server.trunk_service import TokenRegistry, TrunkEndpoint, TrunkService
+from splitlearn.config import compose_config, to_container
+from splitlearn.data import describe_dataset, load_test_data
+from splitlearn.evaluation import evaluate_model
+from splitlearn.models import SplittableModel, build_model
+from splitlearn.split import bottom_state, load_bottom_state
+from splitlearn.task import SplitTask
+from splitlearn.tracking import CompositeSink, make_sinks
+from splitlearn.wire import record_to_state, state_to_record
+from strategies.splitfed import SplitFed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SplitRuntime:
+    """Everything that lives for one run on the server side."""
+
+    cfg: DictConfig
+    run_dir: Path
+    model: SplittableModel
+    trunk: Trunk
+    tokens: TokenRegistry
+    endpoint: TrunkEndpoint
+    service: TrunkService
+    sinks: CompositeSink
+
+
+def build_model_for(cfg: DictConfig) -> SplittableModel:
+    """Build the configured model, seeded, sized for the configured dataset."""
+    spec = describe_dataset(cfg.dataset.name)
+    model = build_model(
+        cfg.model.name,
+        in_channels=spec.in_channels,
+        image_size=spec.image_size,
+        num_classes=spec.num_classes,
+        seed=cfg.seed,
+        **OmegaConf.to_container(cfg.model.options),
+    )
+    model.check_cut(cfg.model.cut)
+    return model
+
+
+def start_runtime(cfg: DictConfig) -> SplitRuntime:
+    """Build the model and trunk, start the trunk service, open the sinks."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = build_model_for(cfg)
+    s = cfg.strategy
+    trunk = Trunk(model, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+    tokens = TokenRegistry()
+    endpoint = TrunkEndpoint(
+        trunk, tokens, max_frame_bytes=cfg.dataplane.max_frame_bytes,
+        max_batch=cfg.dataplane.max_batch,
+    )
+    service = TrunkService(
+        endpoint, host=cfg.dataplane.host, port=cfg.dataplane.port,
+        advertise_host=cfg.dataplane.advertise_host,
+    )
+    service.start()
+    sinks = make_sinks(
+        run_dir=run_dir, logger=cfg.logger.name, project=cfg.logger.project,
+        group=cfg.logger.group, tags=list(cfg.logger.tags), wandb_mode=cfg.logger.mode,
+    )
+    sinks.log_config(to_container(cfg))
+    return SplitRuntime(cfg, run_dir, model, trunk, tokens, endpoint, service, sinks)
+
+
+def stop_runtime(runtime: SplitRuntime) -> None:
+    """Stop the trunk service and close the sinks (writes plots)."""
+    runtime.service.stop()
+    runtime.sinks.close()
+
+
+def make_task_template(runtime: SplitRuntime) -> SplitTask:
+    """Build the per-round client task, minus the per-client token and round."""
+    cfg = runtime.cfg
+    return SplitTask(
+        server_round=0,
+        cut=cfg.model.cut,
+        model=cfg.model.name,
+        model_options=json.dumps(OmegaConf.to_container(cfg.model.options)),
+        dataset=cfg.dataset.name,
+        dataset_path=cfg.dataset.path or "",
+        test_fraction=cfg.dataset.test_fraction,
+        partitioner=cfg.partitioner.name,
+        alpha=cfg.partitioner.alpha,
+        shards_per_partition=cfg.partitioner.shards_per_partition,
+        seed=cfg.seed,
+        local_epochs=cfg.strategy.local_epochs,
+        batch_size=cfg.strategy.batch_size,
+        lr=cfg.strategy.lr,
+        momentum=cfg.strategy.momentum,
+        weight_decay=cfg.strategy.weight_decay,
+        trunk_address=runtime.service.address,
+        token="",
+        max_frame_bytes=cfg.dataplane.max_frame_bytes,
+        torch_threads=cfg.engine.torch_threads,
+    )
+
+
+def make_strategy(runtime: SplitRuntime) -> SplitFed:
+    """SplitFed configured from the run's config."""
+    cfg = runtime.cfg
+    s = cfg.strategy
+    if s.name != "splitfed":
+        raise ValueError(f"strategy.name={s.name!r} is not available; accepted: 'splitfed'")
+
+    def issue(client: str, cut: int, server_round: int) -> str:
+        return runtime.tokens.issue(
+            client=client, cut=cut, server_round=server_round,
+            ttl_s=cfg.dataplane.token_ttl_s,
+        )
+
+    return SplitFed(
+        task=make_task_template(runtime),
+        issue_token=issue,
+        revoke_round=runtime.tokens.revoke_round,
+        dropout_rate=cfg.failures.dropout_rate,
+        dropout_after_steps=cfg.failures.dropout_after_steps,
+        seed=cfg.seed,
+        fraction_train=s.fraction_train,
+        fraction_evaluate=s.fraction_evaluate,
+        min_train_nodes=s.min_train_nodes,
+        min_evaluate_nodes=s.min_train_nodes if s.fraction_evaluate > 0 else 0,
+        min_available_nodes=s.min_train_nodes,
+    )
+
+
+class RoundReporter:
+    """Flower's ``evaluate_fn`` hook: centralised test, then log the round.
+
+    Called by ``Strategy.start`` before round 1 (round 0) and after each round.
+    It evaluates the aggregated client side joined with the current trunk on
+    the held-out test split, merges the round's aggregated training metrics,
+    writes them to every sink and prints a progress line with an ETA.
+    """
+
+    def __init__(self, runtime: SplitRuntime, strategy: SplitFed) -> None:
+        self.runtime = runtime
+        self.strategy = strategy
+        cfg = runtime.cfg
+        test = load_test_data(
+            dataset=cfg.dataset.name, seed=cfg.seed, path=cfg.dataset.path,
+            test_fraction=cfg.dataset.test_fraction,
+        )
+        self.test_loader = DataLoader(test, batch_size=512)
+        self.started = time.perf_counter()
+        self.history: list[dict[str, float]] = []
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        """Evaluate and log ``server_round``; return the test metrics."""
+        model = self.runtime.trunk.snapshot()
+        load_bottom_state(model, record_to_state(arrays))
+        loss, accuracy, _ = evaluate_model(model, self.test_loader)
+        metrics: dict[str, float] = {
+            "test_accuracy": accuracy,
+            "test_loss": loss,
+            "wall_s": time.perf_counter() - self.started,
+        }
+        metrics |= self._train_metrics(server_round)
+        self.history.append({"round": server_round, **metrics})
+        self.runtime.sinks.log_round(server_round, metrics)
+        if rows := self.strategy.client_rows.get(server_round):
+            self.runtime.sinks.log_clients(server_round, rows)
+        self._print_progress(server_round, metrics)
+        return MetricRecord({"test-accuracy": accuracy, "test-loss": loss})
+
+    def _train_metrics(self, server_round: int) -> dict[str, float]:
+        train = self.strategy.train_metrics.get(server_round)
+        if train is None:
+            return {}
+        renamed = {k.replace("-", "_"): float(v) for k, v in train.items()}
+        renamed["examples"] = renamed.pop("num_examples", 0.0)
+        return renamed
+
+    def _print_progress(self, server_round: int, metrics: dict[str, float]) -> None:
+        total = self.runtime.cfg.strategy.num_rounds
+        elapsed = metrics["wall_s"]
+        eta = elapsed / server_round * (total - server_round) if server_round else float("nan")
+        print(
+            f"[round {server_round:>3}/{total}] test acc {metrics['test_accuracy']:.4f} "
+            f"loss {metrics['test_loss']:.4f} | {elapsed:6.1f}s elapsed, ETA {eta:5.1f}s",
+            flush=True,
+        )
+
+
+def run_training(grid: Grid, runtime: SplitRuntime) -> list[dict[str, float]]:
+    """Run SplitFed for the configured rounds; return per-round metrics."""
+    cfg = runtime.cfg
+    strategy = make_strategy(runtime)
+    reporter = RoundReporter(runtime, strategy)
+    initial = state_to_record(bottom_state(runtime.model, cfg.model.cut))
+    strategy.start(
+        grid=grid,
+        initial_arrays=initial,
+        num_rounds=cfg.strategy.num_rounds,
+        timeout=cfg.strategy.round_timeout_s,
+        evaluate_fn=reporter,
+    )
+    rejected = dict(runtime.endpoint.rejected)
+    if rejected:
+        log.warning("data plane refused frames: %s", rejected)
+    return reporter.history
+
+
+def config_from_run_config(run_config: dict[str, Any]) -> DictConfig:
+    """Compose the Hydra config for ``flwr run`` from the run config.
+
+    ``overrides`` holds Hydra overrides separated by spaces (shell quoting
+    allowed); ``run-dir`` is where the run folder goes.
+    """
+    cfg = compose_config(shlex.split(str(run_config.get("overrides", ""))))
+    stamp = time.strftime("%Y-%m-%d/%H-%M-%S")
+    cfg.run_dir = str(run_config.get("run-dir") or f"outputs/flwr/{stamp}")
+    return cfg
+
+
+def build_server_app(cfg: DictConfig | None = None) -> ServerApp:
+    """Build the ServerApp; with ``cfg=None`` the config comes from the run config.
+
+    Parameters
+    ----------
+    cfg : DictConfig, optional
+        A composed config (``experiments.run`` passes Hydra's). When omitted,
+        :func:`config_from_run_config` composes one from ``context.run_config``.
+    """
+    server_app = ServerApp()
+    runtimes: list[SplitRuntime] = []  # one per lifespan; a list keeps it re-entrant
+
+    @server_app.lifespan()
+    def lifespan(context: Context) -> Iterator[None]:
+        runtime = start_runtime(cfg if cfg is not None else config_from_run_config(
+            dict(context.run_config)))
+        runtimes.append(runtime)
+        try:
+            yield
+        finally:
+            runtimes.remove(runtime)
+            stop_runtime(runtime)
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        run_training(grid, runtimes[-1])
+
+    return server_app
+
+
+#: The ServerApp that ``flwr run .`` loads (see ``[tool.flwr.app.components]``).
+app = build_server_app()

@@ -1,0 +1,108 @@
+"""The shared server trunk: one model, one optimizer, one lock.
+
+SplitFed with a shared trunk applies an update for every batch that arrives, in
+arrival order. Each step holds the lock from forward to optimizer step, so
+concurrent clients never interleave a half-applied update, and a client that
+vanishes between steps leaves the trunk in a consistent state.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from splitlearn.models import SplittableModel
+
+
+@dataclass(frozen=True)
+class TrunkStep:
+    """Result of one trunk step.
+
+    Parameters
+    ----------
+    grad : torch.Tensor | None
+        Gradient of the mean loss w.r.t. the activations at the cut.
+    loss : float
+        Mean cross-entropy over the batch.
+    correct : int
+        Correctly classified samples in the batch.
+    """
+
+    grad: torch.Tensor | None
+    loss: float
+    correct: int
+
+
+class Trunk:
+    """Server-side stages of a splittable model, trained as batches arrive.
+
+    Parameters
+    ----------
+    model : SplittableModel
+        The server's copy of the whole model; a session with cut ``k`` runs and
+        trains ``model.stages[k:]``. Stages below the cut are never touched here.
+    lr : float
+        SGD learning rate.
+    momentum : float
+        SGD momentum.
+    weight_decay : float
+        SGD weight decay.
+    """
+
+    def __init__(
+        self,
+        model: SplittableModel,
+        *,
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+    ) -> None:
+        self.model = model
+        # SGD skips parameters whose grad is None, so stages below every cut in
+        # use keep their values (and momentum buffers stay empty for them).
+        self.optimizer = torch.optim.SGD(
+            model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
+        )
+        self._lock = threading.Lock()
+        self.steps = 0
+
+    def _forward(self, cut: int, activations: torch.Tensor) -> torch.Tensor:
+        out = activations
+        for stage in self.model.stages[cut:]:
+            out = stage(out)
+        return out
+
+    def train_step(self, cut: int, activations: torch.Tensor, labels: torch.Tensor) -> TrunkStep:
+        """Forward, backward and update the stages above ``cut``; return the cut gradient."""
+        acts = activations.detach().requires_grad_(True)
+        with self._lock:
+            self.model.train()
+            logits = self._forward(cut, acts)
+            loss = nn.functional.cross_entropy(logits, labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.steps += 1
+        correct = int((logits.argmax(dim=1) == labels).sum())
+        return TrunkStep(acts.grad, float(loss.detach()), correct)
+
+    @torch.no_grad()
+    def evaluate_batch(
+        self, cut: int, activations: torch.Tensor, labels: torch.Tensor
+    ) -> TrunkStep:
+        """Loss and correct count for one batch, in eval mode, without an update."""
+        with self._lock:
+            self.model.eval()
+            logits = self._forward(cut, activations)
+        loss = nn.functional.cross_entropy(logits, labels)
+        correct = int((logits.argmax(dim=1) == labels).sum())
+        return TrunkStep(None, float(loss), correct)
+
+    def snapshot(self) -> SplittableModel:
+        """Return an independent copy of the whole server model."""
+        with self._lock:
+            return copy.deepcopy(self.model)

@@ -1,0 +1,1 @@
+"""Federated split learning: models, splitting, data, wire format, tracking."""

@@ -1,0 +1,145 @@
+"""A CIFAR-style ResNet built from BasicBlocks, split into stem/groups/head."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor, nn
+
+from splitlearn.models.base import SplittableModel, check_dims
+
+# Above this size the stem downsamples once so larger inputs stay cheap.
+_STRIDE1_MAX_SIZE = 32
+
+
+class BasicBlock(nn.Module):
+    """``conv-bn-relu-conv-bn`` plus a shortcut, followed by ReLU.
+
+    Parameters
+    ----------
+    in_channels : int
+        Input channels.
+    out_channels : int
+        Output channels.
+    stride : int, optional
+        Stride of the first conv (2 to downsample).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(
+            in_channels, out_channels, 3, stride=stride, padding=1, bias=False
+        )
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.relu2 = nn.ReLU()
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            # Projection shortcut: a 1x1 conv matches channels and resolution.
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(out_channels),
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the residual block.
+
+        Parameters
+        ----------
+        x : Tensor
+            Input of shape ``(B, in_channels, H, W)``.
+
+        Returns
+        -------
+        Tensor
+            Output of shape ``(B, out_channels, H', W')``.
+        """
+        out = self.relu1(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu2(out + self.shortcut(x))
+
+
+class ResNet(SplittableModel):
+    """ResNet with stages ``[stem, group_0, ..., group_{n-1}, head]``.
+
+    The stem is ``conv3x3-bn-relu`` with stride 1 for inputs up to 32x32 and
+    stride 2 above. Group ``i`` holds ``blocks_per_stage`` BasicBlocks of
+    width ``widths[i]``; every group after the first halves the resolution in
+    its first block. The head is global average pooling, flatten and linear.
+
+    Parameters
+    ----------
+    in_channels : int
+        Input channels (1 or 3).
+    image_size : int
+        Height and width of the square input (8 to 32 intended).
+    num_classes : int
+        Number of output logits.
+    widths : Sequence[int], optional
+        Channel width of each block group. Default ``(16, 32, 64)``: the
+        CIFAR ResNet-20 family widths, which fit three halvings into 8x8
+        inputs and keep client compute small.
+    blocks_per_stage : int, optional
+        BasicBlocks per group. Default 1: the shallowest residual net (an
+        8-layer ResNet), cheap enough for many simulated CPU clients.
+    """
+
+    def __init__(
+        self,
+        *,
+        in_channels: int,
+        image_size: int,
+        num_classes: int,
+        widths: Sequence[int] = (16, 32, 64),
+        blocks_per_stage: int = 1,
+    ) -> None:
+        check_dims(in_channels, image_size, num_classes)
+        if not widths:
+            raise ValueError("widths must name at least one block group")
+        if blocks_per_stage < 1:
+            raise ValueError(f"blocks_per_stage must be >= 1, got {blocks_per_stage}")
+        stem_stride = 1 if image_size <= _STRIDE1_MAX_SIZE else 2
+        stages: list[nn.Module] = [
+            nn.Sequential(
+                nn.Conv2d(
+                    in_channels, widths[0], 3, stride=stem_stride, padding=1, bias=False
+                ),
+                nn.BatchNorm2d(widths[0]),
+                nn.ReLU(),
+            )
+        ]
+        prev = widths[0]
+        for index, width in enumerate(widths):
+            stages.append(_group(prev, width, blocks_per_stage, 1 if index == 0 else 2))
+            prev = width
+        stages.append(
+            nn.Sequential(
+                nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(prev, num_classes)
+            )
+        )
+        super().__init__(
+            stages,
+            input_shape=(in_channels, image_size, image_size),
+            num_classes=num_classes,
+        )
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """He init for convs (suits ReLU), identity-like BatchNorm."""
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(
+                    module.weight, mode="fan_out", nonlinearity="relu"
+                )
+            elif isinstance(module, nn.BatchNorm2d):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+
+def _group(in_channels: int, width: int, blocks: int, stride: int) -> nn.Sequential:
+    """Build one group of ``blocks`` BasicBlocks; only the first one strides."""
+    layers = [BasicBlock(in_channels, width, stride)]
+    layers += [BasicBlock(width, width) for _ in range(blocks - 1)]
+    return nn.Sequential(*layers)

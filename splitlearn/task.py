@@ -1,0 +1,119 @@
+"""What a client needs to know to train one round: the ``train.split`` config.
+
+The ServerApp builds a :class:`SplitTask` per client and round and sends it as
+the Flower message's ConfigRecord; the ClientApp rebuilds it. Keeping both
+directions in one class means the keys cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SplitTask:
+    """One client's work for one round.
+
+    Parameters
+    ----------
+    server_round : int
+        Round number, from 1.
+    cut : int
+        Stages ``[0, cut)`` run on the client.
+    model : str
+        Model name in the zoo.
+    model_options : str
+        JSON object of model keyword arguments.
+    dataset : str
+        Dataset name.
+    dataset_path : str
+        Local dataset folder, or "" for the default source.
+    test_fraction : float
+        Held-out share (digits).
+    partitioner : str
+        Partitioner name.
+    alpha : float
+        Dirichlet concentration.
+    shards_per_partition : int
+        Shards per client for the shard partitioner.
+    seed : int
+        Experiment seed; batch order derives from it, the round and the partition.
+    local_epochs : int
+        Passes over the local data.
+    batch_size : int
+        Samples per batch.
+    lr : float
+        Client SGD learning rate.
+    momentum : float
+        Client SGD momentum.
+    weight_decay : float
+        Client SGD weight decay.
+    trunk_address : str
+        ``host:port`` of the trunk service.
+    token : str
+        Session token for this client and round.
+    max_frame_bytes : int
+        Largest data-plane frame.
+    torch_threads : int
+        Intra-op threads for the client's torch work.
+    fail_after_steps : int
+        Injected failure: vanish after this many batches; -1 never.
+    """
+
+    server_round: int
+    cut: int
+    model: str
+    model_options: str
+    dataset: str
+    dataset_path: str
+    test_fraction: float
+    partitioner: str
+    alpha: float
+    shards_per_partition: int
+    seed: int
+    local_epochs: int
+    batch_size: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    trunk_address: str
+    token: str
+    max_frame_bytes: int
+    torch_threads: int = 1
+    fail_after_steps: int = -1
+
+    def to_config(self) -> dict[str, int | float | str]:
+        """Flatten into ConfigRecord-compatible values (keys use dashes)."""
+        return {k.replace("_", "-"): v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> SplitTask:
+        """Rebuild from a ConfigRecord; a missing or mistyped key raises ValueError."""
+        values = {}
+        for f in fields(cls):
+            key = f.name.replace("_", "-")
+            if key not in config:
+                if f.default is not MISSING:
+                    continue
+                raise ValueError(f"train config lacks key {key!r}")
+            values[f.name] = _coerce(key, config[key], f.type)
+        return cls(**values)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """Model keyword arguments decoded from :attr:`model_options`."""
+        return json.loads(self.model_options) if self.model_options else {}
+
+
+def _coerce(key: str, value: Any, type_name: Any) -> Any:
+    expected = {"int": int, "float": float, "str": str}[str(type_name)]
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, expected) or isinstance(value, bool):
+        raise ValueError(
+            f"train config key {key!r} has {type(value).__name__} {value!r}; "
+            f"expected {expected.__name__}"
+        )
+    return value

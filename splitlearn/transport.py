@@ -1,0 +1,201 @@
+"""Client side of the data plane: one session per ``train`` message.
+
+A session sends ``forward`` frames (activations at the cut and labels) and
+receives ``gradient`` frames (the gradient at the cut, loss, correct count).
+Two transports share one interface: :class:`GrpcTrunkSession` talks to a trunk
+service over a gRPC bidirectional stream; :class:`InProcessTrunkSession` calls
+a frame handler directly, for unit tests and the "limit" benchmark. Both send
+the same bytes, so validation and byte counts are identical.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+import torch
+
+from splitlearn.wire import Frame, decode_frame, encode_frame, error_reason
+
+#: Full gRPC method name of the trunk's bidirectional stream.
+EXCHANGE_METHOD = "/splitlearn.Trunk/Exchange"
+#: gRPC metadata key carrying the session token.
+TOKEN_METADATA_KEY = "x-splitlearn-token"
+#: Largest reply a client accepts (gradients are the size of the activations).
+DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class TrunkRejected(RuntimeError):
+    """The trunk refused a frame or the session; the message says why."""
+
+
+@dataclass(frozen=True)
+class TrunkReply:
+    """What the trunk returns for one batch.
+
+    Parameters
+    ----------
+    grad : torch.Tensor | None
+        Gradient of the loss w.r.t. the activations (None for ``evaluate``).
+    loss : float
+        Mean loss over the batch.
+    correct : int
+        Number of correctly classified samples.
+    """
+
+    grad: torch.Tensor | None
+    loss: float
+    correct: int
+
+
+class TrunkSession(Protocol):
+    """A client's connection to the trunk for the duration of one round."""
+
+    bytes_up: int
+    bytes_down: int
+
+    def exchange(self, activations: torch.Tensor, labels: torch.Tensor) -> TrunkReply:
+        """Send one batch of activations; return the trunk's gradient."""
+        ...
+
+    def evaluate(self, activations: torch.Tensor, labels: torch.Tensor) -> TrunkReply:
+        """Send one batch for loss/accuracy only; the trunk does not update."""
+        ...
+
+    def close(self) -> None:
+        """End the session."""
+        ...
+
+
+class _FrameSession:
+    """Shared bookkeeping: encode, count bytes, decode, raise on ``error``."""
+
+    def __init__(self, *, max_frame_bytes: int) -> None:
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.max_frame_bytes = max_frame_bytes
+
+    def _round_trip(self, data: bytes) -> bytes:
+        raise NotImplementedError
+
+    def _send(self, kind: str, activations: torch.Tensor, labels: torch.Tensor) -> TrunkReply:
+        data = encode_frame(kind, {"activations": activations, "labels": labels})
+        self.bytes_up += len(data)
+        reply = self._round_trip(data)
+        self.bytes_down += len(reply)
+        return _to_reply(decode_frame(reply, max_bytes=self.max_frame_bytes))
+
+    def exchange(self, activations: torch.Tensor, labels: torch.Tensor) -> TrunkReply:
+        """Send one batch of activations; return the trunk's gradient."""
+        return self._send("forward", activations, labels)
+
+    def evaluate(self, activations: torch.Tensor, labels: torch.Tensor) -> TrunkReply:
+        """Send one batch for loss/accuracy only; the trunk does not update."""
+        return self._send("evaluate", activations, labels)
+
+
+def _to_reply(frame: Frame) -> TrunkReply:
+    if frame.kind == "error":
+        raise TrunkRejected(error_reason(frame))
+    if frame.kind not in ("gradient", "metrics"):
+        raise TrunkRejected(f"unexpected reply of kind {frame.kind!r}")
+    return TrunkReply(
+        grad=frame.tensors.get("grad"),
+        loss=float(frame.meta["loss"]),
+        correct=int(frame.meta["correct"]),
+    )
+
+
+class InProcessTrunkSession(_FrameSession):
+    """Session that hands frames to a handler in the same process.
+
+    Parameters
+    ----------
+    handle : Callable[[bytes], bytes]
+        Takes a request frame, returns the reply frame (the trunk side).
+    max_frame_bytes : int
+        Largest reply accepted.
+    """
+
+    def __init__(
+        self, handle: Callable[[bytes], bytes], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    ) -> None:
+        super().__init__(max_frame_bytes=max_frame_bytes)
+        self._handle = handle
+
+    def _round_trip(self, data: bytes) -> bytes:
+        return self._handle(data)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+_END = object()
+
+
+class GrpcTrunkSession(_FrameSession):
+    """Session over one gRPC bidirectional stream.
+
+    Parameters
+    ----------
+    address : str
+        ``host:port`` of the trunk service.
+    token : str
+        Session token issued by the ServerApp for this client and round.
+    max_frame_bytes : int
+        Largest frame sent or received.
+    root_certificates : bytes, optional
+        PEM root certificates; when given the channel uses TLS.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        root_certificates: bytes | None = None,
+    ) -> None:
+        super().__init__(max_frame_bytes=max_frame_bytes)
+        # Leave headroom above the frame limit so that an oversized frame reaches
+        # the trunk's own check and is refused with a reason, not a transport error.
+        options = [
+            ("grpc.max_send_message_length", 2 * max_frame_bytes),
+            ("grpc.max_receive_message_length", 2 * max_frame_bytes),
+        ]
+        if root_certificates is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            creds = grpc.ssl_channel_credentials(root_certificates)
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        stub = self._channel.stream_stream(EXCHANGE_METHOD)
+        self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._responses: Iterator[bytes] = stub(
+            self._request_iterator(), metadata=((TOKEN_METADATA_KEY, token),)
+        )
+
+    def _request_iterator(self) -> Iterator[bytes]:
+        while (item := self._requests.get()) is not _END:
+            yield item  # type: ignore[misc]
+
+    def _round_trip(self, data: bytes) -> bytes:
+        self._requests.put(data)
+        try:
+            return next(self._responses)
+        except grpc.RpcError as err:
+            raise TrunkRejected(f"{err.code().name}: {err.details()}") from None
+        except StopIteration:
+            raise TrunkRejected("trunk closed the stream") from None
+
+    def close(self) -> None:
+        """Half-close the stream and release the channel."""
+        self._requests.put(_END)
+        self._channel.close()
+
+    def abort(self) -> None:
+        """Drop the connection without a clean close, as a vanishing device would."""
+        self._responses.cancel()  # type: ignore[attr-defined]
+        self._channel.close()

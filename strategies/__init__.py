@@ -1,0 +1,1 @@
+"""Flower strategies for split learning protocols."""
