@@ -1,30 +1,30 @@
 """The Flower ClientApp: ``train.split`` and ``evaluate`` handlers.
 
 The ClientApp holds no model between messages: each ``train.split`` message
-carries the client-side weights, the cut and a :class:`~splitlearn.task.SplitTask`;
-the client builds its bottom layers, opens one data-plane session to the trunk,
-trains, and replies with the updated client-side weights and its metrics.
+carries the client-side weights and a :class:`~splitlearn.task.SplitTask`
+(cut, training settings, trunk address, session token); the client builds its
+bottom layers, opens one data-plane session to the trunk, trains, and replies
+with the updated client-side weights and its metrics. The training itself is in
+:mod:`clients.train`, which does not import Flower.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-from clients.train import TrainReport, evaluate_bottom, train_bottom
-from splitlearn.data import describe_dataset, load_client_data
-from splitlearn.models import build_model
-from splitlearn.split import load_bottom_state, split
+from clients.train import (
+    TrainReport,
+    build_bottom,
+    evaluate_bottom,
+    load_local_data,
+    run_split_round,
+)
 from splitlearn.task import SplitTask
 from splitlearn.transport import GrpcTrunkSession
 from splitlearn.wire import record_to_state, state_to_record
-
-log = logging.getLogger(__name__)
 
 app = ClientApp()
 
@@ -33,42 +33,12 @@ class InjectedDropout(RuntimeError):
     """Raised to make a client vanish mid-round (failure injection)."""
 
 
-def build_bottom(task: SplitTask, arrays: object) -> nn.Module:
-    """Build the client-side stages for ``task`` and load the server's weights."""
-    spec = describe_dataset(task.dataset)
-    model = build_model(
-        task.model,
-        in_channels=spec.in_channels,
-        image_size=spec.image_size,
-        num_classes=spec.num_classes,
-        **task.model_kwargs(),
-    )
-    load_bottom_state(model, record_to_state(arrays))
-    bottom, _ = split(model, task.cut)
-    return bottom
-
-
-def load_local_data(task: SplitTask, context: Context) -> TensorDataset:
-    """Load this node's partition (ids come from the SuperNode's node config)."""
-    return load_client_data(
-        dataset=task.dataset,
-        partition_id=int(context.node_config["partition-id"]),
-        num_partitions=int(context.node_config["num-partitions"]),
-        partitioner=task.partitioner,
-        seed=task.seed,
-        alpha=task.alpha,
-        shards_per_partition=task.shards_per_partition,
-        path=task.dataset_path or None,
-        test_fraction=task.test_fraction,
-    )
-
-
-def _epoch_loader(data: TensorDataset, task: SplitTask, partition_id: int) -> DataLoader:
-    # Batch order is a function of (seed, round, partition): reruns are reproducible.
-    generator = torch.Generator().manual_seed(
-        task.seed * 1_000_003 + task.server_round * 1_009 + partition_id
-    )
-    return DataLoader(data, batch_size=task.batch_size, shuffle=True, generator=generator)
+def _partition(context: Context) -> dict[str, int]:
+    # The SuperNode's node config says which share of the data this node holds.
+    return {
+        "partition_id": int(context.node_config["partition-id"]),
+        "num_partitions": int(context.node_config["num-partitions"]),
+    }
 
 
 def _dropout_hook(task: SplitTask, session: GrpcTrunkSession):  # noqa: ANN202
@@ -96,30 +66,27 @@ def _report_metrics(report: TrainReport, task: SplitTask) -> MetricRecord:
     )
 
 
+def _open_session(task: SplitTask) -> GrpcTrunkSession:
+    return GrpcTrunkSession(task.trunk_address, task.token, max_frame_bytes=task.max_frame_bytes)
+
+
 @app.train("split")
 def train_split(msg: Message, context: Context) -> Message:
     """Train the client-side layers for one round against the shared trunk."""
     task = SplitTask.from_config(msg.content["config"])
-    torch.set_num_threads(task.torch_threads)
-    bottom = build_bottom(task, msg.content["arrays"])
-    data = load_local_data(task, context)
-    loader = _epoch_loader(data, task, int(context.node_config["partition-id"]))
-    session = GrpcTrunkSession(task.trunk_address, task.token, max_frame_bytes=task.max_frame_bytes)
+    session = _open_session(task)
     try:
-        report = train_bottom(
-            bottom,
-            lambda: loader,
+        state, report = run_split_round(
+            task,
+            record_to_state(msg.content["arrays"]),
             session,
-            epochs=task.local_epochs,
-            lr=task.lr,
-            momentum=task.momentum,
-            weight_decay=task.weight_decay,
             on_step=_dropout_hook(task, session),
+            **_partition(context),
         )
     finally:
         session.close()
     content = RecordDict(
-        {"arrays": state_to_record(bottom.state_dict()), "metrics": _report_metrics(report, task)}
+        {"arrays": state_to_record(state), "metrics": _report_metrics(report, task)}
     )
     return Message(content=content, reply_to=msg)
 
@@ -129,9 +96,9 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate bottom + trunk on this client's local data (no update)."""
     task = SplitTask.from_config(msg.content["config"])
     torch.set_num_threads(task.torch_threads)
-    bottom = build_bottom(task, msg.content["arrays"])
-    data = load_local_data(task, context)
-    session = GrpcTrunkSession(task.trunk_address, task.token, max_frame_bytes=task.max_frame_bytes)
+    bottom = build_bottom(task, record_to_state(msg.content["arrays"]))
+    data = load_local_data(task, **_partition(context))
+    session = _open_session(task)
     try:
         loss, accuracy, examples = evaluate_bottom(
             bottom, DataLoader(data, batch_size=task.batch_size), session

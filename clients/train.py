@@ -10,12 +10,17 @@ virtual clock can rescale it for a slower device.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from splitlearn.data import describe_dataset, load_client_data
+from splitlearn.models import build_model
+from splitlearn.split import load_bottom_state, split
+from splitlearn.task import SplitTask
 from splitlearn.transport import TrunkSession
 
 
@@ -145,3 +150,75 @@ def evaluate_bottom(
         correct += reply.correct
         loss_sum += reply.loss * len(labels)
     return loss_sum / max(examples, 1), correct / max(examples, 1), examples
+
+
+def build_bottom(task: SplitTask, state: Mapping[str, torch.Tensor]) -> nn.Module:
+    """Build the client-side stages for ``task`` and load the server's weights."""
+    spec = describe_dataset(task.dataset, image_size=task.resize_to)
+    model = build_model(
+        task.model,
+        in_channels=spec.in_channels,
+        image_size=spec.image_size,
+        num_classes=spec.num_classes,
+        **task.model_kwargs(),
+    )
+    load_bottom_state(model, state)
+    bottom, _ = split(model, task.cut)
+    return bottom
+
+
+def load_local_data(task: SplitTask, *, partition_id: int, num_partitions: int) -> TensorDataset:
+    """Load this client's partition as ``task`` describes it."""
+    return load_client_data(
+        dataset=task.dataset,
+        partition_id=partition_id,
+        num_partitions=num_partitions,
+        partitioner=task.partitioner,
+        seed=task.seed,
+        alpha=task.alpha,
+        shards_per_partition=task.shards_per_partition,
+        path=task.dataset_path or None,
+        test_fraction=task.test_fraction,
+        image_size=task.resize_to,
+    )
+
+
+def epoch_loader(data: TensorDataset, task: SplitTask, partition_id: int) -> DataLoader:
+    """Shuffled batches whose order is a function of (seed, round, partition)."""
+    generator = torch.Generator().manual_seed(
+        task.seed * 1_000_003 + task.server_round * 1_009 + partition_id
+    )
+    return DataLoader(data, batch_size=task.batch_size, shuffle=True, generator=generator)
+
+
+def run_split_round(
+    task: SplitTask,
+    state: Mapping[str, torch.Tensor],
+    session: TrunkSession,
+    *,
+    partition_id: int,
+    num_partitions: int,
+    on_step: Callable[[int], None] | None = None,
+) -> tuple[dict[str, torch.Tensor], TrainReport]:
+    """One client's round: build the bottom, train it against the trunk.
+
+    Returns
+    -------
+    tuple[dict[str, torch.Tensor], TrainReport]
+        The updated client-side state dict (bottom keys) and the report.
+    """
+    torch.set_num_threads(task.torch_threads)
+    bottom = build_bottom(task, state)
+    data = load_local_data(task, partition_id=partition_id, num_partitions=num_partitions)
+    loader = epoch_loader(data, task, partition_id)
+    report = train_bottom(
+        bottom,
+        lambda: loader,
+        session,
+        epochs=task.local_epochs,
+        lr=task.lr,
+        momentum=task.momentum,
+        weight_decay=task.weight_decay,
+        on_step=on_step,
+    )
+    return bottom.state_dict(), report

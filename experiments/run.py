@@ -22,11 +22,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+# Flower and flwr-datasets read this at import; runs here must not phone home.
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-from splitlearn.config import register_configs
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from splitlearn.config import register_configs  # noqa: E402
 
 log = logging.getLogger(__name__)
 

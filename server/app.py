@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig, OmegaConf
@@ -55,7 +57,7 @@ class SplitRuntime:
 
 def build_model_for(cfg: DictConfig) -> SplittableModel:
     """Build the configured model, seeded, sized for the configured dataset."""
-    spec = describe_dataset(cfg.dataset.name)
+    spec = describe_dataset(cfg.dataset.name, image_size=cfg.dataset.image_size)
     model = build_model(
         cfg.model.name,
         in_channels=spec.in_channels,
@@ -68,18 +70,23 @@ def build_model_for(cfg: DictConfig) -> SplittableModel:
     return model
 
 
+def build_endpoint(cfg: DictConfig) -> TrunkEndpoint:
+    """Build the seeded model, its trunk and the frame endpoint in front of it."""
+    s = cfg.strategy
+    trunk = Trunk(build_model_for(cfg), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+    return TrunkEndpoint(
+        trunk, TokenRegistry(), max_frame_bytes=cfg.dataplane.max_frame_bytes,
+        max_batch=cfg.dataplane.max_batch,
+    )
+
+
 def start_runtime(cfg: DictConfig) -> SplitRuntime:
     """Build the model and trunk, start the trunk service, open the sinks."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model = build_model_for(cfg)
-    s = cfg.strategy
-    trunk = Trunk(model, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
-    tokens = TokenRegistry()
-    endpoint = TrunkEndpoint(
-        trunk, tokens, max_frame_bytes=cfg.dataplane.max_frame_bytes,
-        max_batch=cfg.dataplane.max_batch,
-    )
+    torch.set_num_threads(cfg.dataplane.trunk_threads)
+    endpoint = build_endpoint(cfg)
+    trunk, tokens, model = endpoint.trunk, endpoint.tokens, endpoint.trunk.model
     service = TrunkService(
         endpoint, host=cfg.dataplane.host, port=cfg.dataplane.port,
         advertise_host=cfg.dataplane.advertise_host,
@@ -99,9 +106,8 @@ def stop_runtime(runtime: SplitRuntime) -> None:
     runtime.sinks.close()
 
 
-def make_task_template(runtime: SplitRuntime) -> SplitTask:
+def make_task_template(cfg: DictConfig, trunk_address: str) -> SplitTask:
     """Build the per-round client task, minus the per-client token and round."""
-    cfg = runtime.cfg
     return SplitTask(
         server_round=0,
         cut=cfg.model.cut,
@@ -110,6 +116,7 @@ def make_task_template(runtime: SplitRuntime) -> SplitTask:
         dataset=cfg.dataset.name,
         dataset_path=cfg.dataset.path or "",
         test_fraction=cfg.dataset.test_fraction,
+        image_size=cfg.dataset.image_size or 0,
         partitioner=cfg.partitioner.name,
         alpha=cfg.partitioner.alpha,
         shards_per_partition=cfg.partitioner.shards_per_partition,
@@ -119,7 +126,7 @@ def make_task_template(runtime: SplitRuntime) -> SplitTask:
         lr=cfg.strategy.lr,
         momentum=cfg.strategy.momentum,
         weight_decay=cfg.strategy.weight_decay,
-        trunk_address=runtime.service.address,
+        trunk_address=trunk_address,
         token="",
         max_frame_bytes=cfg.dataplane.max_frame_bytes,
         torch_threads=cfg.engine.torch_threads,
@@ -140,7 +147,7 @@ def make_strategy(runtime: SplitRuntime) -> SplitFed:
         )
 
     return SplitFed(
-        task=make_task_template(runtime),
+        task=make_task_template(cfg, runtime.service.address),
         issue_token=issue,
         revoke_round=runtime.tokens.revoke_round,
         dropout_rate=cfg.failures.dropout_rate,
@@ -169,11 +176,12 @@ class RoundReporter:
         cfg = runtime.cfg
         test = load_test_data(
             dataset=cfg.dataset.name, seed=cfg.seed, path=cfg.dataset.path,
-            test_fraction=cfg.dataset.test_fraction,
+            test_fraction=cfg.dataset.test_fraction, image_size=cfg.dataset.image_size,
         )
         self.test_loader = DataLoader(test, batch_size=512)
         self.started = time.perf_counter()
         self.history: list[dict[str, float]] = []
+        self._round_ends: list[float] = []
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Evaluate and log ``server_round``; return the test metrics."""
@@ -204,7 +212,12 @@ class RoundReporter:
     def _print_progress(self, server_round: int, metrics: dict[str, float]) -> None:
         total = self.runtime.cfg.strategy.num_rounds
         elapsed = metrics["wall_s"]
-        eta = elapsed / server_round * (total - server_round) if server_round else float("nan")
+        self._round_ends.append(elapsed)
+        # The ETA uses recent rounds only: round 1 also pays for engine start-up.
+        recent = np.diff(self._round_ends[1:][-6:])
+        if not len(recent):
+            recent = np.diff(self._round_ends[-2:])
+        eta = float(recent.mean()) * (total - server_round) if len(recent) else float("nan")
         print(
             f"[round {server_round:>3}/{total}] test acc {metrics['test_accuracy']:.4f} "
             f"loss {metrics['test_loss']:.4f} | {elapsed:6.1f}s elapsed, ETA {eta:5.1f}s",

@@ -33,6 +33,8 @@ class SplitTask:
         Local dataset folder, or "" for the default source.
     test_fraction : float
         Held-out share (digits).
+    image_size : int
+        Images are resized to this size; 0 keeps the native size.
     partitioner : str
         Partitioner name.
     alpha : float
@@ -70,6 +72,7 @@ class SplitTask:
     dataset: str
     dataset_path: str
     test_fraction: float
+    image_size: int
     partitioner: str
     alpha: float
     shards_per_partition: int
@@ -101,6 +104,11 @@ class SplitTask:
                 raise ValueError(f"train config lacks key {key!r}")
             values[f.name] = _coerce(key, config[key], f.type)
         return cls(**values)
+
+    @property
+    def resize_to(self) -> int | None:
+        """Target image size, or None for the native size."""
+        return self.image_size or None
 
     def model_kwargs(self) -> dict[str, Any]:
         """Model keyword arguments decoded from :attr:`model_options`."""

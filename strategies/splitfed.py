@@ -12,6 +12,7 @@ nothing of its partial work is aggregated into the client-side weights.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from logging import INFO
@@ -95,6 +96,7 @@ class SplitFed(FedAvg):
         self.client_rows: dict[int, list[dict[str, Any]]] = {}
         #: Per round: the aggregated training metrics.
         self.train_metrics: dict[int, MetricRecord] = {}
+        self._round_started = 0.0
 
     def summary(self) -> None:
         """Log the FedAvg settings plus the split settings."""
@@ -106,6 +108,7 @@ class SplitFed(FedAvg):
     ) -> Iterable[Message]:
         """Sample clients as FedAvg does, then give each its own data-plane session."""
         messages = super().configure_train(server_round, arrays, config, grid)
+        self._round_started = time.perf_counter()
         rng = random.Random(self.seed * 7919 + server_round)
         return [self._session_message(m, server_round, rng, "train.split") for m in messages]
 
@@ -139,11 +142,14 @@ class SplitFed(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Close the round's sessions, record per-client rows, then FedAvg."""
         replies = list(replies)
+        round_train_s = time.perf_counter() - self._round_started
         self.revoke_round(server_round)
         self.client_rows[server_round] = [_client_row(r) for r in replies]
         arrays, metrics = super().aggregate_train(server_round, replies)
         if metrics is not None:
             metrics["failed-clients"] = sum(r.has_error() for r in replies)
+            # Server-side wall time from sending the round to having every reply.
+            metrics["round-train-s"] = round_train_s
             self.train_metrics[server_round] = metrics
         return arrays, metrics
 

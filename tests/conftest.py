@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
+# Flower and flwr-datasets read this at import: tests never phone home.
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
+
+# On the 2-core machines here, 2 intra-op threads run torch ~10x slower than 1.
+torch.set_num_threads(1)
 
 from server.trunk import Trunk
 from server.trunk_service import TokenRegistry, TrunkEndpoint, TrunkService

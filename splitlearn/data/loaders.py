@@ -27,7 +27,7 @@ labels as int64 tensors of shape (N,).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import datasets
@@ -103,13 +103,16 @@ def _dataset_source(name: str) -> _DatasetSource:
     return source
 
 
-def describe_dataset(name: str) -> DatasetSpec:
+def describe_dataset(name: str, *, image_size: int | None = None) -> DatasetSpec:
     """Return channels, image size and class count of a known dataset.
 
     Parameters
     ----------
     name : str
         One of ``"digits"``, ``"mnist"``, ``"fashion_mnist"``, ``"cifar10"``.
+    image_size : int | None, optional
+        Size the images are resized to (see :func:`load_client_data`);
+        None keeps the native size.
 
     Returns
     -------
@@ -121,7 +124,29 @@ def describe_dataset(name: str) -> DatasetSpec:
     ValueError
         If ``name`` is not a known dataset; the message lists the known ones.
     """
-    return _dataset_source(name).spec
+    spec = _dataset_source(name).spec
+    return spec if image_size is None else replace(spec, image_size=_check_size(image_size))
+
+
+def _check_size(image_size: int) -> int:
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
+        raise ValueError(f"image_size must be a positive int, got {image_size!r}")
+    return image_size
+
+
+def resize_images(data: TensorDataset, image_size: int | None) -> TensorDataset:
+    """Bilinearly resize the images of ``data`` to ``image_size`` (None: unchanged).
+
+    Lets the small embedded digits stand in for larger inputs (e.g. 32x32 for
+    a ResNet benchmark) without any download.
+    """
+    images, labels = data.tensors
+    if image_size is None or images.shape[-1] == image_size == images.shape[-2]:
+        return data
+    resized = torch.nn.functional.interpolate(
+        images, size=(_check_size(image_size),) * 2, mode="bilinear", align_corners=False
+    )
+    return TensorDataset(resized, labels)
 
 
 def load_client_data(
@@ -135,6 +160,7 @@ def load_client_data(
     shards_per_partition: int = 2,
     path: str | None = None,
     test_fraction: float = 0.2,
+    image_size: int | None = None,
 ) -> TensorDataset:
     """Load one client's partition of the training data.
 
@@ -165,6 +191,8 @@ def load_client_data(
     test_fraction : float, optional
         Held-out fraction of the digits data; ignored for other datasets,
         which have their own test split.
+    image_size : int | None, optional
+        Resize images to this size (bilinear); None keeps the native size.
 
     Returns
     -------
@@ -195,9 +223,10 @@ def load_client_data(
         seed=seed,
         test_fraction=test_fraction,
     )
-    return to_tensor_dataset(
+    data = to_tensor_dataset(
         rows, image_key=source.image_key, label_key=source.label_key, spec=source.spec
     )
+    return resize_images(data, image_size)
 
 
 def load_test_data(
@@ -206,6 +235,7 @@ def load_test_data(
     seed: int,
     path: str | None = None,
     test_fraction: float = 0.2,
+    image_size: int | None = None,
 ) -> TensorDataset:
     """Load the central (server-side) test set.
 
@@ -221,6 +251,8 @@ def load_test_data(
         docstring). Ignored for ``"digits"``.
     test_fraction : float, optional
         Held-out fraction of the digits data; ignored for other datasets.
+    image_size : int | None, optional
+        Resize images to this size (bilinear); None keeps the native size.
 
     Returns
     -------
@@ -241,9 +273,10 @@ def load_test_data(
             dataset=path or source.hub_id, partitioners={"train": 1}, shuffle=False
         )
         test = fds.load_split("test")
-    return to_tensor_dataset(
+    data = to_tensor_dataset(
         test, image_key=source.image_key, label_key=source.label_key, spec=source.spec
     )
+    return resize_images(data, image_size)
 
 
 def _load_partition(

@@ -1,0 +1,118 @@
+"""SplitFed aggregation, tasks and tokens, against plain reference maths."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from server.trunk_service import TokenRegistry
+from splitlearn.task import SplitTask
+from strategies.splitfed import SplitFed, aggregate_split_metrics
+
+pytestmark = pytest.mark.unit
+
+TASK = SplitTask(
+    server_round=0, cut=1, model="cnn", model_options="{}", dataset="digits", dataset_path="",
+    test_fraction=0.2, image_size=0, partitioner="iid", alpha=0.5, shards_per_partition=2,
+    seed=0, local_epochs=1, batch_size=32, lr=0.05, momentum=0.9, weight_decay=0.0,
+    trunk_address="127.0.0.1:1", token="", max_frame_bytes=1 << 20,
+)
+
+
+@pytest.fixture(autouse=True)
+def run_identity(monkeypatch):
+    # Flower messages need a run id; the engines set it, tests set it here.
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1, raising=False)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 1, raising=False)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1, raising=False)
+
+
+def reply(node: int, weights: np.ndarray, examples: int, **metrics) -> Message:
+    request = Message(content=RecordDict(), dst_node_id=node, message_type="train.split")
+    content = RecordDict({
+        "arrays": ArrayRecord({"0.weight": Array(weights)}),
+        "metrics": MetricRecord({"num-examples": examples, **metrics}),
+    })
+    return Message(content=content, reply_to=request)
+
+
+def failed(node: int) -> Message:
+    request = Message(content=RecordDict(), dst_node_id=node, message_type="train.split")
+    return Message(Error(code=0, reason="injected dropout after 2 steps"), reply_to=request)
+
+
+def make_strategy(revoked: list[int]) -> SplitFed:
+    return SplitFed(
+        task=TASK, issue_token=lambda c, k, r: f"{c}-{r}", revoke_round=revoked.append,
+    )
+
+
+def test_failed_client_is_not_aggregated():
+    revoked: list[int] = []
+    strategy = make_strategy(revoked)
+    rng = np.random.default_rng(0)
+    ws = [rng.normal(size=(3, 2)).astype(np.float32) for _ in range(3)]
+    replies = [reply(1, ws[0], 10, **{"train-loss": 1.0}), failed(2),
+               reply(3, ws[2], 30, **{"train-loss": 2.0})]
+    strategy._round_started = time.perf_counter()
+    arrays, metrics = strategy.aggregate_train(4, replies)
+    expected = np.average(np.stack([ws[0], ws[2]]), axis=0, weights=[10, 30])
+    np.testing.assert_allclose(arrays["0.weight"].numpy(), expected, rtol=1e-6)
+    assert metrics["failed-clients"] == 1 and metrics["num-examples"] == 40
+    assert metrics["train-loss"] == pytest.approx((10 * 1.0 + 30 * 2.0) / 40)
+    assert revoked == [4]
+    statuses = {row["client"]: row["status"] for row in strategy.client_rows[4]}
+    assert statuses == {"1": "ok", "2": "failed", "3": "ok"}
+
+
+def test_round_with_only_failures_keeps_the_previous_weights():
+    strategy = make_strategy([])
+    strategy._round_started = time.perf_counter()
+    arrays, metrics = strategy.aggregate_train(1, [failed(1), failed(2)])
+    assert arrays is None and metrics is None  # Strategy.start keeps the old arrays
+
+
+def test_split_metrics_sum_counts_and_average_rates():
+    records = [
+        RecordDict({"m": MetricRecord({"num-examples": n, "bytes-up": b, "train-accuracy": a})})
+        for n, b, a in [(10, 100, 0.5), (30, 300, 0.9)]
+    ]
+    out = aggregate_split_metrics(records, "num-examples")
+    assert out["num-examples"] == 40 and out["bytes-up"] == 400
+    assert out["train-accuracy"] == pytest.approx(np.average([0.5, 0.9], weights=[10, 30]))
+    assert out["clients"] == 2
+
+
+def test_task_round_trips_through_a_config_record():
+    task = replace(TASK, server_round=3, token="abc", fail_after_steps=2)
+    assert SplitTask.from_config(task.to_config()) == task
+
+
+def test_task_with_missing_or_mistyped_key_is_rejected_by_name():
+    config = TASK.to_config()
+    del config["batch-size"]
+    with pytest.raises(ValueError, match="'batch-size'"):
+        SplitTask.from_config(config)
+    with pytest.raises(ValueError, match="'cut' has str"):
+        SplitTask.from_config(TASK.to_config() | {"cut": "1"})
+
+
+def test_tokens_are_unique_checked_and_revoked_by_round():
+    tokens = TokenRegistry()
+    a = tokens.issue(client="1", cut=1, server_round=1, ttl_s=60)
+    b = tokens.issue(client="2", cut=2, server_round=2, ttl_s=60)
+    assert a != b and tokens.lookup(a).client == "1" and tokens.lookup(b).cut == 2
+    assert tokens.lookup("forged") is None and tokens.lookup(None) is None
+    tokens.revoke_round(1)
+    assert tokens.lookup(a) is None and tokens.lookup(b) is not None
+
+
+def test_tokens_expire():
+    tokens = TokenRegistry()
+    t = tokens.issue(client="1", cut=1, server_round=1, ttl_s=-1)
+    assert tokens.lookup(t) is None
