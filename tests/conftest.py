@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-# On the 2-core machines here, 2 intra-op threads run torch ~10x slower than 1.
-torch.set_num_threads(1)
-
 from server.trunk import Trunk
 from server.trunk_service import TokenRegistry, TrunkEndpoint, TrunkService
 from splitlearn.models import SplittableModel, build_model
+
+# On the 2-core machines here, 2 intra-op threads run torch ~10x slower than 1.
+torch.set_num_threads(1)
 
 
 @dataclass
