@@ -50,9 +50,10 @@ def _dropout_hook(task: SplitTask, session: GrpcTrunkSession):  # noqa: ANN202
     return on_step
 
 
-def _report_metrics(report: TrainReport, task: SplitTask) -> MetricRecord:
+def _report_metrics(report: TrainReport, task: SplitTask, partition_id: int) -> MetricRecord:
     return MetricRecord(
         {
+            "partition-id": partition_id,
             "num-examples": report.examples,
             "steps": report.steps,
             "train-loss": report.loss,
@@ -74,6 +75,7 @@ def _open_session(task: SplitTask) -> GrpcTrunkSession:
 def train_split(msg: Message, context: Context) -> Message:
     """Train the client-side layers for one round against the shared trunk."""
     task = SplitTask.from_config(msg.content["config"])
+    partition = _partition(context)
     session = _open_session(task)
     try:
         state, report = run_split_round(
@@ -81,13 +83,12 @@ def train_split(msg: Message, context: Context) -> Message:
             record_to_state(msg.content["arrays"]),
             session,
             on_step=_dropout_hook(task, session),
-            **_partition(context),
+            **partition,
         )
     finally:
         session.close()
-    content = RecordDict(
-        {"arrays": state_to_record(state), "metrics": _report_metrics(report, task)}
-    )
+    metrics = _report_metrics(report, task, partition["partition_id"])
+    content = RecordDict({"arrays": state_to_record(state), "metrics": metrics})
     return Message(content=content, reply_to=msg)
 
 

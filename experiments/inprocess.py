@@ -1,8 +1,9 @@
 """The same SplitFed math in one process, with the in-process transport.
 
-No Flower, no gRPC: clients run one after another against the shared trunk
-through :class:`~splitlearn.transport.InProcessTrunkSession` (same frames, same
-checks), and client sides are averaged by examples. It is the "limit" that the
+No Flower, no gRPC: clients run in threads (``concurrency`` at a time, as the
+Simulation Engine runs one ClientApp per core) against the shared trunk through
+:class:`~splitlearn.transport.InProcessTrunkSession` (same frames, same checks),
+and client sides are averaged by examples. It is the "limit" that the
 ``overhead`` benchmark compares the real deployment path against.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -35,8 +37,15 @@ def average_states(
     }
 
 
-def run_in_process(cfg: DictConfig) -> list[dict[str, float]]:
+def run_in_process(cfg: DictConfig, *, concurrency: int = 1) -> list[dict[str, float]]:
     """Run ``cfg.strategy.num_rounds`` SplitFed rounds over all clients, in process.
+
+    Parameters
+    ----------
+    cfg : DictConfig
+        The experiment config.
+    concurrency : int
+        Clients training at the same time (threads; torch releases the GIL).
 
     Returns
     -------
@@ -55,29 +64,34 @@ def run_in_process(cfg: DictConfig) -> list[dict[str, float]]:
         batch_size=512,
     )
     state = bottom_state(model, cut)
+
+    def train_client(server_round: int, pid: int) -> tuple[dict, float]:
+        token = endpoint.tokens.issue(
+            client=str(pid), cut=cut, server_round=server_round, ttl_s=3600
+        )
+        task = replace(template, server_round=server_round, token=token)
+        new_state, report = run_split_round(
+            task, state, endpoint.local_session(token),
+            partition_id=pid, num_partitions=cfg.num_clients,
+        )
+        return new_state, report.examples
+
     history = []
-    for server_round in range(1, cfg.strategy.num_rounds + 1):
-        started = time.perf_counter()
-        states, weights = [], []
-        for pid in range(cfg.num_clients):
-            token = endpoint.tokens.issue(
-                client=str(pid), cut=cut, server_round=server_round, ttl_s=3600
-            )
-            task = replace(template, server_round=server_round, token=token)
-            new_state, report = run_split_round(
-                task, state, endpoint.local_session(token),
-                partition_id=pid, num_partitions=cfg.num_clients,
-            )
-            states.append(new_state)
-            weights.append(report.examples)
-        train_s = time.perf_counter() - started
-        endpoint.tokens.revoke_round(server_round)
-        state = average_states(states, weights)
-        joined = endpoint.trunk.snapshot()
-        load_bottom_state(joined, state)
-        loss, accuracy, _ = evaluate_model(joined, test)
-        history.append({
-            "round": server_round, "examples": float(sum(weights)), "round_train_s": train_s,
-            "test_accuracy": accuracy, "test_loss": loss,
-        })
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for server_round in range(1, cfg.strategy.num_rounds + 1):
+            started = time.perf_counter()
+            results = list(pool.map(
+                lambda pid, r=server_round: train_client(r, pid), range(cfg.num_clients)
+            ))
+            train_s = time.perf_counter() - started
+            endpoint.tokens.revoke_round(server_round)
+            weights = [examples for _, examples in results]
+            state = average_states([s for s, _ in results], weights)
+            joined = endpoint.trunk.snapshot()
+            load_bottom_state(joined, state)
+            loss, accuracy, _ = evaluate_model(joined, test)
+            history.append({
+                "round": server_round, "examples": float(sum(weights)),
+                "round_train_s": train_s, "test_accuracy": accuracy, "test_loss": loss,
+            })
     return history

@@ -30,6 +30,8 @@ IssueToken = Callable[[str, int, int], str]
 
 #: Metrics summed over clients (the rest are averaged, weighted by examples).
 SUMMED_METRICS = ("num-examples", "steps", "bytes-up", "bytes-down", "compute-s")
+#: Per-client labels, meaningless when averaged.
+CLIENT_ONLY_METRICS = ("partition-id",)
 
 
 def aggregate_split_metrics(records: list[RecordDict], weighting_key: str) -> MetricRecord:
@@ -40,6 +42,8 @@ def aggregate_split_metrics(records: list[RecordDict], weighting_key: str) -> Me
         metrics = _metrics(record)
         weight = float(metrics[weighting_key]) / weight_sum
         for key, value in metrics.items():
+            if key in CLIENT_ONLY_METRICS:
+                continue
             share = float(value) if key in SUMMED_METRICS else float(value) * weight
             totals[key] = totals.get(key, 0.0) + share
     totals["clients"] = float(len(records))
@@ -163,8 +167,13 @@ class SplitFed(FedAvg):
 
 
 def _client_row(reply: Message) -> dict[str, Any]:
-    row: dict[str, Any] = {"client": str(reply.metadata.src_node_id)}
+    node = str(reply.metadata.src_node_id)
     if reply.has_error():
-        return row | {"status": "failed", "reason": reply.error.reason[:200]}
+        return {"client": node, "node_id": node, "status": "failed",
+                "reason": reply.error.reason[:200]}
     metrics: Mapping[str, Any] = _metrics(reply.content)
-    return row | {"status": "ok"} | {k.replace("-", "_"): v for k, v in metrics.items()}
+    # Partition ids are short and stable across runs; node ids are neither.
+    client = str(int(metrics["partition-id"])) if "partition-id" in metrics else node
+    return {"client": client, "node_id": node, "status": "ok"} | {
+        k.replace("-", "_"): v for k, v in metrics.items() if k != "partition-id"
+    }

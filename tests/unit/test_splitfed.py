@@ -66,7 +66,7 @@ def test_failed_client_is_not_aggregated():
     assert metrics["failed-clients"] == 1 and metrics["num-examples"] == 40
     assert metrics["train-loss"] == pytest.approx((10 * 1.0 + 30 * 2.0) / 40)
     assert revoked == [4]
-    statuses = {row["client"]: row["status"] for row in strategy.client_rows[4]}
+    statuses = {row["node_id"]: row["status"] for row in strategy.client_rows[4]}
     assert statuses == {"1": "ok", "2": "failed", "3": "ok"}
 
 

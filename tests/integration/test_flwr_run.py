@@ -1,0 +1,62 @@
+"""``flwr run .`` runs the same ServerApp/ClientApp through a local SuperLink."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pids_mentioning(text: str) -> list[int]:
+    """PIDs whose command line mentions ``text`` (our own FLWR_HOME)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in cmdline:
+                pids.append(int(proc.name))
+    return pids
+
+
+@pytest.fixture
+def flwr_home(tmp_path):
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    yield home
+    # `flwr run` leaves its local SuperLink running; stop the one we started.
+    for pid in pids_mentioning(str(home)):
+        os.kill(pid, signal.SIGTERM)
+
+
+def test_flwr_run_trains_with_the_same_apps(tmp_path, flwr_home):
+    run_dir = tmp_path / "run"
+    env = os.environ | {
+        "FLWR_HOME": str(flwr_home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+    }
+    flwr = Path(sys.executable).with_name("flwr")
+    proc = subprocess.run(
+        [str(flwr), "run", ".", "--stream",
+         "--run-config", f'overrides="strategy.num_rounds=2 logger=none" run-dir="{run_dir}"',
+         "--federation-config", "num-supernodes=3"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rounds = json.loads((run_dir / "metrics.json").read_text())
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert all(r["clients"] == 3 and r["failed_clients"] == 0 for r in rounds[1:])
+    assert rounds[2]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.2
+    assert json.loads((run_dir / "config.json").read_text())["strategy"]["num_rounds"] == 2
