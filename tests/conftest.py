@@ -73,3 +73,11 @@ def fixed_batches(
         (torch.rand(batch, 1, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g))
         for _ in range(n)
     ]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark tests by folder, so ``-m unit`` / ``-m integration`` select them."""
+    for item in items:
+        for folder in ("unit", "integration"):
+            if f"tests/{folder}/" in item.nodeid:
+                item.add_marker(getattr(pytest.mark, folder))

@@ -15,8 +15,6 @@ from splitlearn.transport import GrpcTrunkSession, TrunkRejected
 from splitlearn.wire import encode_frame
 from tests.conftest import digits_like_model, fixed_batches
 
-pytestmark = pytest.mark.integration
-
 LR = 0.1
 STEPS = 20
 

@@ -8,8 +8,6 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from splitlearn.config import CONF_DIR, compose_config
 
-pytestmark = pytest.mark.unit
-
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "scenario")
 
 

@@ -24,8 +24,6 @@ from splitlearn.data import (
     to_tensor_dataset,
 )
 
-pytestmark = pytest.mark.unit
-
 NUM_DIGITS = 1797
 NUM_CLASSES = 10
 

@@ -14,8 +14,6 @@ from server.trunk_service import TokenRegistry
 from splitlearn.task import SplitTask
 from strategies.splitfed import SplitFed, aggregate_split_metrics
 
-pytestmark = pytest.mark.unit
-
 TASK = SplitTask(
     server_round=0, cut=1, model="cnn", model_options="{}", dataset="digits", dataset_path="",
     test_fraction=0.2, image_size=0, partitioner="iid", alpha=0.5, shards_per_partition=2,
