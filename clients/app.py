@@ -11,10 +11,20 @@ with the updated client-side weights and its metrics. The training itself is in
 from __future__ import annotations
 
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader
 
+from clients.device import (
+    ClientUnavailable,
+    DeviceFailure,
+    EmulatedSession,
+    InjectedDropout,
+    MemoryBudgetExceeded,
+    check_memory,
+    plan_round,
+    virtual_time,
+)
 from clients.train import (
     TrainReport,
     build_bottom,
@@ -22,15 +32,17 @@ from clients.train import (
     load_local_data,
     run_split_round,
 )
-from splitlearn.task import SplitTask
+from splitlearn.planning.clock import ClientTime
+from splitlearn.privacy import PrivacyAccountant, PrivacyBudgetExhausted
+from splitlearn.privacy.budget import EPSILON_METRIC
+from splitlearn.task import STATUS_KEY, SplitTask
 from splitlearn.transport import GrpcTrunkSession
 from splitlearn.wire import record_to_state, state_to_record
 
 app = ClientApp()
 
-
-class InjectedDropout(RuntimeError):
-    """Raised to make a client vanish mid-round (failure injection)."""
+#: ``context.state`` key of this node's privacy accountant history.
+ACCOUNTANT_STATE_KEY = "privacy-accountant"
 
 
 def _partition(context: Context) -> dict[str, int]:
@@ -41,19 +53,27 @@ def _partition(context: Context) -> dict[str, int]:
     }
 
 
-def _dropout_hook(task: SplitTask, session: GrpcTrunkSession):  # noqa: ANN202
+def _dropout_hook(fail_after_steps: int, session: GrpcTrunkSession):  # noqa: ANN202
     def on_step(step: int) -> None:
-        if 0 <= task.fail_after_steps <= step:
+        if 0 <= fail_after_steps <= step:
             session.abort()  # the device vanishes: no clean stream close
-            raise InjectedDropout(f"injected dropout after {step} steps")
+            raise InjectedDropout(f"vanished after {step} steps")
 
     return on_step
 
 
-def _report_metrics(report: TrainReport, task: SplitTask, partition_id: int) -> MetricRecord:
+def _report_metrics(
+    report: TrainReport, task: SplitTask, partition_id: int, vtime: ClientTime, memory: int
+) -> MetricRecord:
     return MetricRecord(
         {
             "partition-id": partition_id,
+            "virtual-s": vtime.total_s,
+            "virtual-compute-s": vtime.compute_s,
+            "virtual-upload-s": vtime.upload_s,
+            "virtual-download-s": vtime.download_s,
+            "virtual-latency-s": vtime.latency_s,
+            "memory-bytes": memory,
             "num-examples": report.examples,
             "steps": report.steps,
             "train-loss": report.loss,
@@ -67,8 +87,28 @@ def _report_metrics(report: TrainReport, task: SplitTask, partition_id: int) -> 
     )
 
 
+def _load_accountant(context: Context) -> PrivacyAccountant:
+    # context.state persists per node across rounds, so epsilon keeps adding up.
+    record = context.state.config_records.get(ACCOUNTANT_STATE_KEY)
+    return PrivacyAccountant() if record is None else PrivacyAccountant.from_lists(record)
+
+
+def _save_accountant(context: Context, accountant: PrivacyAccountant) -> None:
+    context.state[ACCOUNTANT_STATE_KEY] = ConfigRecord(accountant.to_lists())
+
+
 def _open_session(task: SplitTask) -> GrpcTrunkSession:
     return GrpcTrunkSession(task.trunk_address, task.token, max_frame_bytes=task.max_frame_bytes)
+
+
+def _decline(msg: Message, reason: DeviceFailure, partition_id: int) -> Message:
+    # A device that cannot take part says so instead of failing: no traceback,
+    # and the server still learns which partition (and so which profile) it was.
+    content = RecordDict({
+        STATUS_KEY: ConfigRecord({"status": reason.kind, "reason": str(reason)}),
+        "metrics": MetricRecord({"partition-id": partition_id}),
+    })
+    return Message(content=content, reply_to=msg)
 
 
 @app.train("split")
@@ -76,18 +116,41 @@ def train_split(msg: Message, context: Context) -> Message:
     """Train the client-side layers for one round against the shared trunk."""
     task = SplitTask.from_config(msg.content["config"])
     partition = _partition(context)
+    plan = plan_round(task, **partition)
+    try:
+        if not plan.available:
+            raise ClientUnavailable(f"device not reachable in round {task.server_round}")
+        memory = check_memory(task, plan.profile)
+    except (ClientUnavailable, MemoryBudgetExceeded) as declined:
+        return _decline(msg, declined, partition["partition_id"])
     session = _open_session(task)
+    paced = session
+    if task.emulate and plan.profile is not None:
+        paced = EmulatedSession(session, plan.profile, host_flops_per_s=task.host_flops_per_s)
+    accountant = _load_accountant(context)
     try:
         state, report = run_split_round(
             task,
             record_to_state(msg.content["arrays"]),
-            session,
-            on_step=_dropout_hook(task, session),
+            paced,
+            on_step=_dropout_hook(plan.fail_after_steps, session),
+            accountant=accountant,
             **partition,
         )
+    except PrivacyBudgetExhausted as spent:
+        declined = _decline(msg, spent, partition["partition_id"])  # type: ignore[arg-type]
+        declined.content["metrics"][EPSILON_METRIC] = spent.epsilon_spent
+        return declined
     finally:
-        session.close()
-    metrics = _report_metrics(report, task, partition["partition_id"])
+        paced.close()
+        _save_accountant(context, accountant)
+    vtime = virtual_time(
+        compute_s=report.compute_s, bytes_up=report.bytes_up, bytes_down=report.bytes_down,
+        exchanges=report.steps, profile=plan.profile, host_flops_per_s=task.host_flops_per_s,
+    )
+    metrics = _report_metrics(report, task, partition["partition_id"], vtime, memory)
+    if task.privacy != "none":
+        metrics[EPSILON_METRIC] = accountant.epsilon(task.privacy_delta)
     content = RecordDict({"arrays": state_to_record(state), "metrics": metrics})
     return Message(content=content, reply_to=msg)
 

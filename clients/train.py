@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from splitlearn.data import describe_dataset, load_client_data
 from splitlearn.models import build_model
+from splitlearn.privacy import PrivacyAccountant, PrivacySettings, make_client_privacy
 from splitlearn.split import load_bottom_state, split
 from splitlearn.task import SplitTask
 from splitlearn.transport import TrunkSession
@@ -68,6 +69,8 @@ def train_bottom(
     momentum: float = 0.0,
     weight_decay: float = 0.0,
     on_step: Callable[[int], None] | None = None,
+    release: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> TrainReport:
     """Train the client-side layers for ``epochs`` passes over ``batches()``.
 
@@ -86,23 +89,38 @@ def train_bottom(
     on_step : Callable[[int], None], optional
         Called after every completed step with the step count (fault injection,
         progress); an exception it raises aborts training.
+    release : Callable[[torch.Tensor], torch.Tensor], optional
+        Applied to the activations before they are sent (privacy: clip and
+        noise); differentiable, the backward pass runs through it.
+    optimizer : torch.optim.Optimizer, optional
+        Replaces the SGD built from ``lr``, ``momentum``, ``weight_decay``
+        (privacy: Opacus's DP optimiser). An empty batch (Poisson sampling)
+        sends nothing but still steps it.
 
     Returns
     -------
     TrainReport
         Counts, losses and timings for the round.
     """
-    optimizer = torch.optim.SGD(
-        bottom.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
-    )
+    if optimizer is None:
+        optimizer = torch.optim.SGD(
+            bottom.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
+        )
     bottom.train()
     steps = examples = correct = 0
     loss_sum = compute_s = 0.0
     start = time.perf_counter()
     for _ in range(epochs):
         for inputs, labels in batches():
+            if len(labels) == 0:  # DP-SGD: a noise-only step hides that the batch was empty
+                optimizer.zero_grad(set_to_none=True)
+                optimizer.step()
+                steps += 1
+                continue
             t0 = time.perf_counter()
             activations = bottom(inputs)
+            if release is not None:
+                activations = release(activations)
             t1 = time.perf_counter()
             reply = session.exchange(activations.detach(), labels)
             t2 = time.perf_counter()
@@ -199,26 +217,52 @@ def run_split_round(
     partition_id: int,
     num_partitions: int,
     on_step: Callable[[int], None] | None = None,
+    accountant: PrivacyAccountant | None = None,
 ) -> tuple[dict[str, torch.Tensor], TrainReport]:
     """One client's round: build the bottom, train it against the trunk.
+
+    With a privacy option on (``task.privacy``), the whole round's privacy cost
+    is charged to ``accountant`` before anything is sent, so a round that fails
+    half-way is paid for too.
 
     Returns
     -------
     tuple[dict[str, torch.Tensor], TrainReport]
         The updated client-side state dict (bottom keys) and the report.
+
+    Raises
+    ------
+    PrivacyBudgetExhausted
+        If the round would take the client's epsilon past its budget; nothing
+        was sent and ``accountant`` is unchanged.
     """
     torch.set_num_threads(task.torch_threads)
     bottom = build_bottom(task, state)
     data = load_local_data(task, partition_id=partition_id, num_partitions=num_partitions)
     loader = epoch_loader(data, task, partition_id)
-    report = train_bottom(
-        bottom,
-        lambda: loader,
-        session,
-        epochs=task.local_epochs,
-        lr=task.lr,
-        momentum=task.momentum,
-        weight_decay=task.weight_decay,
-        on_step=on_step,
-    )
+    privacy = make_client_privacy(PrivacySettings.from_task(task), loader)
+    if privacy.settings.accounted:
+        if accountant is None:
+            raise ValueError(f"privacy={task.privacy} needs a PrivacyAccountant to charge")
+        accountant.spend(
+            privacy.round_steps(epochs=task.local_epochs),
+            delta=privacy.settings.delta, epsilon_max=privacy.settings.epsilon_max,
+        )
+    try:
+        report = train_bottom(
+            bottom,
+            privacy.batches(),
+            session,
+            epochs=task.local_epochs,
+            lr=task.lr,
+            momentum=task.momentum,
+            weight_decay=task.weight_decay,
+            on_step=on_step,
+            release=privacy.release,
+            optimizer=privacy.make_optimizer(
+                bottom, lr=task.lr, momentum=task.momentum, weight_decay=task.weight_decay
+            ),
+        )
+    finally:
+        privacy.close()
     return bottom.state_dict(), report

@@ -10,7 +10,7 @@ and client sides are averaged by examples. It is the "limit" that the
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -22,6 +22,13 @@ from clients.train import run_split_round
 from server.app import build_endpoint, make_task_template
 from splitlearn.data import load_test_data
 from splitlearn.evaluation import evaluate_model
+from splitlearn.models import SplittableModel
+from splitlearn.privacy import (
+    PrivacyAccountant,
+    PrivacyBudgetExhausted,
+    PrivacySettings,
+    with_release_at_cut,
+)
 from splitlearn.split import bottom_state, load_bottom_state
 
 
@@ -37,7 +44,12 @@ def average_states(
     }
 
 
-def run_in_process(cfg: DictConfig, *, concurrency: int = 1) -> list[dict[str, float]]:
+def run_in_process(
+    cfg: DictConfig,
+    *,
+    concurrency: int = 1,
+    on_round: Callable[[int, SplittableModel], None] | None = None,
+) -> list[dict[str, float]]:
     """Run ``cfg.strategy.num_rounds`` SplitFed rounds over all clients, in process.
 
     Parameters
@@ -46,12 +58,16 @@ def run_in_process(cfg: DictConfig, *, concurrency: int = 1) -> list[dict[str, f
         The experiment config.
     concurrency : int
         Clients training at the same time (threads; torch releases the GIL).
+    on_round : Callable[[int, SplittableModel], None], optional
+        Called after each round with the round and the joined model (averaged
+        client side + trunk), e.g. to keep the final model for attacks.
 
     Returns
     -------
     list[dict[str, float]]
         Per round: ``round``, ``examples``, ``round_train_s`` (training only),
-        ``test_accuracy``, ``test_loss``.
+        ``test_accuracy``, ``test_loss``; with privacy on also ``epsilon`` (the
+        largest over clients) and ``clients_budget`` (clients out of budget).
     """
     endpoint = build_endpoint(cfg)
     model, cut = endpoint.trunk.model, cfg.model.cut
@@ -64,16 +80,21 @@ def run_in_process(cfg: DictConfig, *, concurrency: int = 1) -> list[dict[str, f
         batch_size=512,
     )
     state = bottom_state(model, cut)
+    privacy = PrivacySettings.from_config(cfg.privacy)
+    accountants = [PrivacyAccountant() for _ in range(cfg.num_clients)]
 
-    def train_client(server_round: int, pid: int) -> tuple[dict, float]:
+    def train_client(server_round: int, pid: int) -> tuple[dict | None, float]:
         token = endpoint.tokens.issue(
             client=str(pid), cut=cut, server_round=server_round, ttl_s=3600
         )
         task = replace(template, server_round=server_round, token=token)
-        new_state, report = run_split_round(
-            task, state, endpoint.local_session(token),
-            partition_id=pid, num_partitions=cfg.num_clients,
-        )
+        try:
+            new_state, report = run_split_round(
+                task, state, endpoint.local_session(token),
+                partition_id=pid, num_partitions=cfg.num_clients, accountant=accountants[pid],
+            )
+        except PrivacyBudgetExhausted:
+            return None, 0
         return new_state, report.examples
 
     history = []
@@ -85,13 +106,22 @@ def run_in_process(cfg: DictConfig, *, concurrency: int = 1) -> list[dict[str, f
             ))
             train_s = time.perf_counter() - started
             endpoint.tokens.revoke_round(server_round)
-            weights = [examples for _, examples in results]
-            state = average_states([s for s, _ in results], weights)
+            trained = [(s, examples) for s, examples in results if s is not None]
+            weights = [examples for _, examples in trained]
+            if trained:  # every client out of privacy budget: keep the weights
+                state = average_states([s for s, _ in trained], weights)
             joined = endpoint.trunk.snapshot()
             load_bottom_state(joined, state)
-            loss, accuracy, _ = evaluate_model(joined, test)
-            history.append({
+            deployed = with_release_at_cut(joined, cut=cut, settings=privacy)
+            loss, accuracy, _ = evaluate_model(deployed, test)
+            row = {
                 "round": server_round, "examples": float(sum(weights)),
                 "round_train_s": train_s, "test_accuracy": accuracy, "test_loss": loss,
-            })
+            }
+            if privacy.accounted:
+                row["epsilon"] = max(a.epsilon(privacy.delta) for a in accountants)
+                row["clients_budget"] = float(len(results) - len(trained))
+            history.append(row)
+            if on_round is not None:
+                on_round(server_round, joined)
     return history

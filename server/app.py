@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import shlex
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,17 +26,23 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 
 from server.trunk import Trunk
 from server.trunk_service import TokenRegistry, TrunkEndpoint, TrunkService
+from splitlearn.calibration import measure_host_flops_per_s
 from splitlearn.config import compose_config, to_container
 from splitlearn.data import describe_dataset, load_test_data
 from splitlearn.evaluation import evaluate_model
 from splitlearn.models import SplittableModel, build_model
+from splitlearn.planning.clock import VirtualClock, round_time
+from splitlearn.planning.devices import DeviceProfile, build_fleet
+from splitlearn.privacy import PrivacySettings, with_release_at_cut
 from splitlearn.split import bottom_state, load_bottom_state
 from splitlearn.task import SplitTask
 from splitlearn.tracking import CompositeSink, make_sinks
 from splitlearn.wire import record_to_state, state_to_record
+from strategies.privacy import PrivacyBudgetGuard
 from strategies.splitfed import SplitFed
 
 log = logging.getLogger(__name__)
@@ -53,6 +60,8 @@ class SplitRuntime:
     endpoint: TrunkEndpoint
     service: TrunkService
     sinks: CompositeSink
+    fleet: list[DeviceProfile] | None  # profile per partition id; None: no emulation
+    host_flops_per_s: float  # this host's training FLOP/s (0: not needed)
 
 
 def build_model_for(cfg: DictConfig) -> SplittableModel:
@@ -97,7 +106,32 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
         group=cfg.logger.group, tags=list(cfg.logger.tags), wandb_mode=cfg.logger.mode,
     )
     sinks.log_config(to_container(cfg))
-    return SplitRuntime(cfg, run_dir, model, trunk, tokens, endpoint, service, sinks)
+    fleet = build_fleet_for(cfg)
+    host_flops = host_flops_for(cfg, model) if fleet else 0.0
+    return SplitRuntime(
+        cfg, run_dir, model, trunk, tokens, endpoint, service, sinks, fleet, host_flops
+    )
+
+
+def build_fleet_for(cfg: DictConfig) -> list[DeviceProfile] | None:
+    """Profiles by partition id for the configured device mix (None: no devices)."""
+    devices = to_container(cfg.devices)
+    return build_fleet(
+        num_clients=cfg.num_clients, mix=devices["mix"], profiles=devices["profiles"],
+        seed=cfg.seed,
+    )
+
+
+def host_flops_for(cfg: DictConfig, model: SplittableModel) -> float:
+    """Return the configured host FLOP/s, or measure it on the client-side workload."""
+    if cfg.devices.host_flops_per_s:
+        return float(cfg.devices.host_flops_per_s)
+    flops = measure_host_flops_per_s(
+        model, cfg.model.cut, batch_size=cfg.strategy.batch_size,
+        threads=cfg.engine.torch_threads,
+    )
+    log.info("virtual clock: this host trains at %.2f GFLOP/s", flops / 1e9)
+    return flops
 
 
 def stop_runtime(runtime: SplitRuntime) -> None:
@@ -106,8 +140,12 @@ def stop_runtime(runtime: SplitRuntime) -> None:
     runtime.sinks.close()
 
 
-def make_task_template(cfg: DictConfig, trunk_address: str) -> SplitTask:
+def make_task_template(
+    cfg: DictConfig, trunk_address: str, *, host_flops_per_s: float = 0.0
+) -> SplitTask:
     """Build the per-round client task, minus the per-client token and round."""
+    devices = to_container(cfg.devices)
+    fleet = {"mix": devices["mix"], "profiles": devices["profiles"]} if devices["mix"] else None
     return SplitTask(
         server_round=0,
         cut=cfg.model.cut,
@@ -130,6 +168,16 @@ def make_task_template(cfg: DictConfig, trunk_address: str) -> SplitTask:
         token="",
         max_frame_bytes=cfg.dataplane.max_frame_bytes,
         torch_threads=cfg.engine.torch_threads,
+        devices=json.dumps(fleet) if fleet else "",
+        host_flops_per_s=host_flops_per_s,
+        emulate=int(cfg.devices.emulate),
+        dropout_rate=cfg.failures.dropout_rate,
+        dropout_after_steps=cfg.failures.dropout_after_steps,
+        privacy=cfg.privacy.name,
+        privacy_clip_norm=cfg.privacy.clip_norm,
+        privacy_noise_multiplier=cfg.privacy.noise_multiplier,
+        privacy_delta=cfg.privacy.delta,
+        privacy_epsilon_max=cfg.privacy.epsilon_max or 0.0,
     )
 
 
@@ -146,19 +194,23 @@ def make_strategy(runtime: SplitRuntime) -> SplitFed:
             ttl_s=cfg.dataplane.token_ttl_s,
         )
 
-    return SplitFed(
-        task=make_task_template(cfg, runtime.service.address),
+    strategy = SplitFed(
+        task=make_task_template(
+            cfg, runtime.service.address, host_flops_per_s=runtime.host_flops_per_s
+        ),
         issue_token=issue,
         revoke_round=runtime.tokens.revoke_round,
-        dropout_rate=cfg.failures.dropout_rate,
-        dropout_after_steps=cfg.failures.dropout_after_steps,
-        seed=cfg.seed,
+        round_deadline_s=cfg.failures.round_deadline_s,
         fraction_train=s.fraction_train,
         fraction_evaluate=s.fraction_evaluate,
         min_train_nodes=s.min_train_nodes,
         min_evaluate_nodes=s.min_train_nodes if s.fraction_evaluate > 0 else 0,
         min_available_nodes=s.min_train_nodes,
     )
+    # Privacy wraps the protocol (as Flower's DP wrappers do); attributes pass through.
+    if cfg.privacy.name == "none":
+        return strategy
+    return PrivacyBudgetGuard(strategy)  # type: ignore[return-value]
 
 
 class RoundReporter:
@@ -167,7 +219,8 @@ class RoundReporter:
     Called by ``Strategy.start`` before round 1 (round 0) and after each round.
     It evaluates the aggregated client side joined with the current trunk on
     the held-out test split, merges the round's aggregated training metrics,
-    writes them to every sink and prints a progress line with an ETA.
+    advances the virtual clock (slowest finished client plus the trunk's busy
+    time), writes everything to every sink and updates the progress bar.
     """
 
     def __init__(self, runtime: SplitRuntime, strategy: SplitFed) -> None:
@@ -182,24 +235,58 @@ class RoundReporter:
         self.started = time.perf_counter()
         self.history: list[dict[str, float]] = []
         self._round_ends: list[float] = []
+        self.clock = VirtualClock()
+        self._trunk_busy_seen = 0.0
+        self.progress = tqdm(
+            total=cfg.strategy.num_rounds, unit="round", desc="training", dynamic_ncols=True
+        )
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Evaluate and log ``server_round``; return the test metrics."""
         model = self.runtime.trunk.snapshot()
         load_bottom_state(model, record_to_state(arrays))
-        loss, accuracy, _ = evaluate_model(model, self.test_loader)
+        deployed = with_release_at_cut(  # the trunk only ever sees released rows
+            model, cut=self.runtime.cfg.model.cut,
+            settings=PrivacySettings.from_config(self.runtime.cfg.privacy),
+        )
+        loss, accuracy, _ = evaluate_model(deployed, self.test_loader)
         metrics: dict[str, float] = {
             "test_accuracy": accuracy,
             "test_loss": loss,
             "wall_s": time.perf_counter() - self.started,
         }
         metrics |= self._train_metrics(server_round)
+        rows = [self._with_profile(row) for row in self.strategy.client_rows.get(server_round, [])]
+        metrics |= self._advance_clock(rows)
         self.history.append({"round": server_round, **metrics})
         self.runtime.sinks.log_round(server_round, metrics)
-        if rows := self.strategy.client_rows.get(server_round):
+        if rows:
             self.runtime.sinks.log_clients(server_round, rows)
         self._print_progress(server_round, metrics)
         return MetricRecord({"test-accuracy": accuracy, "test-loss": loss})
+
+    def _with_profile(self, row: dict[str, Any]) -> dict[str, Any]:
+        fleet = self.runtime.fleet
+        if fleet is None:
+            return row | {"profile": "host"}
+        # Failed clients reply with an error, which carries no partition id.
+        partition = row.get("partition_id")
+        return row | {"profile": fleet[partition].name if partition is not None else "?"}
+
+    def _advance_clock(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+        busy = self.runtime.trunk.busy_s
+        trunk_s, self._trunk_busy_seen = busy - self._trunk_busy_seen, busy
+        finished = [float(r["virtual_s"]) for r in rows if r["status"] == "ok"]
+        seconds = round_time(finished, trunk_s=trunk_s) if rows else 0.0
+        return {
+            "trunk_s": trunk_s,
+            "virtual_round_s": seconds,
+            "virtual_time_s": self.clock.advance(seconds),
+        }
+
+    def close(self) -> None:
+        """Close the progress bar."""
+        self.progress.close()
 
     def _train_metrics(self, server_round: int) -> dict[str, float]:
         train = self.strategy.train_metrics.get(server_round)
@@ -218,11 +305,15 @@ class RoundReporter:
         if not len(recent):
             recent = np.diff(self._round_ends[-2:])
         eta = float(recent.mean()) * (total - server_round) if len(recent) else float("nan")
-        print(
+        self.progress.write(
             f"[round {server_round:>3}/{total}] test acc {metrics['test_accuracy']:.4f} "
-            f"loss {metrics['test_loss']:.4f} | {elapsed:6.1f}s elapsed, ETA {eta:5.1f}s",
-            flush=True,
+            f"loss {metrics['test_loss']:.4f} | virtual {metrics['virtual_time_s']:8.1f}s | "
+            f"{elapsed:6.1f}s elapsed, ETA {eta:5.1f}s",
+            file=sys.stdout,
         )
+        if server_round:
+            self.progress.update(1)
+        self.progress.set_postfix(acc=f"{metrics['test_accuracy']:.4f}", refresh=True)
 
 
 def run_training(grid: Grid, runtime: SplitRuntime) -> list[dict[str, float]]:
@@ -231,13 +322,16 @@ def run_training(grid: Grid, runtime: SplitRuntime) -> list[dict[str, float]]:
     strategy = make_strategy(runtime)
     reporter = RoundReporter(runtime, strategy)
     initial = state_to_record(bottom_state(runtime.model, cfg.model.cut))
-    strategy.start(
-        grid=grid,
-        initial_arrays=initial,
-        num_rounds=cfg.strategy.num_rounds,
-        timeout=cfg.strategy.round_timeout_s,
-        evaluate_fn=reporter,
-    )
+    try:
+        strategy.start(
+            grid=grid,
+            initial_arrays=initial,
+            num_rounds=cfg.strategy.num_rounds,
+            timeout=cfg.strategy.round_timeout_s,
+            evaluate_fn=reporter,
+        )
+    finally:
+        reporter.close()
     rejected = dict(runtime.endpoint.rejected)
     if rejected:
         log.warning("data plane refused frames: %s", rejected)

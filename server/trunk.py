@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,8 @@ class Trunk:
         )
         self._lock = threading.Lock()
         self.steps = 0
+        #: Seconds spent inside training steps (the virtual clock adds them per round).
+        self.busy_s = 0.0
 
     def _forward(self, cut: int, activations: torch.Tensor) -> torch.Tensor:
         out = activations
@@ -80,6 +83,7 @@ class Trunk:
         """Forward, backward and update the stages above ``cut``; return the cut gradient."""
         acts = activations.detach().requires_grad_(True)
         with self._lock:
+            started = time.perf_counter()
             self.model.train()
             logits = self._forward(cut, acts)
             loss = nn.functional.cross_entropy(logits, labels)
@@ -87,6 +91,7 @@ class Trunk:
             loss.backward()
             self.optimizer.step()
             self.steps += 1
+            self.busy_s += time.perf_counter() - started
         correct = int((logits.argmax(dim=1) == labels).sum())
         return TrunkStep(acts.grad, float(loss.detach()), correct)
 

@@ -60,7 +60,7 @@ class StrategyConfig:
     local_epochs: int = 2  # with 1, parallel clients need ~12 rounds to reach 97% on digits
     batch_size: int = 32
     lr: float = 0.05  # plain SGD on both sides, same lr: split == whole-model SGD
-    momentum: float = 0.9
+    momentum: float = 0.5  # 0.9 on the shared trunk stalls training under label skew
     weight_decay: float = 0.0
     round_timeout_s: float = 600.0  # Flower waits this long for replies
 
@@ -102,11 +102,47 @@ class LoggerConfig:
 
 
 @dataclass
-class FailuresConfig:
-    """Injected client failures (each sampled client drops with this probability)."""
+class PrivacyConfig:
+    """Privacy of what leaves a client (README "Privacy" says what epsilon covers)."""
 
-    dropout_rate: float = 0.0
-    dropout_after_steps: int = 2  # the client vanishes after this many batches
+    name: str = "none"  # none | activation_gaussian | dpsgd_client
+    clip_norm: float = 1.0  # C: per-sample L2 bound (activation rows or gradients)
+    noise_multiplier: float = 0.0  # sigma: noise std = sigma * C; > 0 unless name=none
+    delta: float = 1e-5  # below 1/n for the ~150 examples a digits client holds
+    epsilon_max: float | None = None  # per-client budget; None = train every round
+
+
+@dataclass
+class FailuresConfig:
+    """Client failures on top of what the device profiles imply."""
+
+    dropout_rate: float = 0.0  # extra chance that a started client vanishes mid-round
+    dropout_after_steps: int = 2  # a dropping client vanishes after this many batches
+    round_deadline_s: float | None = None  # virtual s; later clients count as stragglers
+
+
+@dataclass
+class DeviceProfileConfig:
+    """One device preset (see splitlearn/planning/devices.py:DeviceProfile)."""
+
+    flops_per_s: float = MISSING  # sustained training FLOP/s, not peak
+    memory_bytes: int = MISSING  # what the training app may use
+    uplink_mbps: float = MISSING
+    downlink_mbps: float = MISSING
+    rtt_s: float = MISSING
+    availability: float = 1.0  # chance of being reachable when sampled
+    dropout: float = 0.0  # chance of vanishing mid-round
+
+
+@dataclass
+class DevicesConfig:
+    """Which devices the clients emulate."""
+
+    name: str = "none"  # none: every client runs at this host's speed, links are free
+    mix: dict[str, float] = field(default_factory=dict)  # profile -> share of clients
+    profiles: dict[str, DeviceProfileConfig] = field(default_factory=dict)
+    emulate: bool = False  # really wait as long as the device would (wall-clock runs)
+    host_flops_per_s: float | None = None  # this host's training FLOP/s; None = measure
 
 
 @dataclass
@@ -124,7 +160,9 @@ class Config:
     dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     failures: FailuresConfig = field(default_factory=FailuresConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
 
 
 def register_configs() -> None:

@@ -12,6 +12,10 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
+#: ConfigRecord key of a reply from a client that declined the round (it holds
+#: ``status``, one of unavailable / memory, and ``reason``).
+STATUS_KEY = "status"
+
 
 @dataclass(frozen=True)
 class SplitTask:
@@ -61,8 +65,27 @@ class SplitTask:
         Largest data-plane frame.
     torch_threads : int
         Intra-op threads for the client's torch work.
-    fail_after_steps : int
-        Injected failure: vanish after this many batches; -1 never.
+    devices : str
+        JSON fleet description ``{"mix": ..., "profiles": ...}``, or "" without
+        device emulation; the client derives its own profile from it.
+    host_flops_per_s : float
+        This host's measured training FLOP/s (virtual clock); 0 when unknown.
+    emulate : int
+        1: the client really waits as long as its device would.
+    dropout_rate : float
+        Extra chance of vanishing mid-round, on top of the device's own.
+    dropout_after_steps : int
+        A vanishing client goes after this many batches.
+    privacy : str
+        Privacy option (``splitlearn.privacy.PRIVACY_OPTIONS``); "none" by default.
+    privacy_clip_norm : float
+        C, the per-sample L2 bound.
+    privacy_noise_multiplier : float
+        sigma; noise std is ``sigma * C``.
+    privacy_delta : float
+        The delta epsilon is reported at.
+    privacy_epsilon_max : float
+        Per-client epsilon budget; 0 or less for none.
     """
 
     server_round: int
@@ -86,7 +109,16 @@ class SplitTask:
     token: str
     max_frame_bytes: int
     torch_threads: int = 1
-    fail_after_steps: int = -1
+    devices: str = ""
+    host_flops_per_s: float = 0.0
+    emulate: int = 0
+    dropout_rate: float = 0.0
+    dropout_after_steps: int = 2
+    privacy: str = "none"
+    privacy_clip_norm: float = 1.0
+    privacy_noise_multiplier: float = 0.0
+    privacy_delta: float = 1e-5
+    privacy_epsilon_max: float = 0.0
 
     def to_config(self) -> dict[str, int | float | str]:
         """Flatten into ConfigRecord-compatible values (keys use dashes)."""

@@ -11,9 +11,8 @@ nothing of its partial work is aggregated into the client-side weights.
 
 from __future__ import annotations
 
-import random
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from logging import INFO
 from typing import Any
@@ -24,12 +23,15 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from splitlearn.task import SplitTask
+from strategies.failures import FAILURE_KINDS, client_row, reply_status, status_counts
 
 #: Issues a token: (client id, cut, round) -> token.
 IssueToken = Callable[[str, int, int], str]
 
 #: Metrics summed over clients (the rest are averaged, weighted by examples).
 SUMMED_METRICS = ("num-examples", "steps", "bytes-up", "bytes-down", "compute-s")
+#: Metrics whose round value is the worst client's (the slowest device sets the pace).
+MAX_METRICS = ("virtual-s", "epsilon")  # epsilon: the least private client's
 #: Per-client labels, meaningless when averaged.
 CLIENT_ONLY_METRICS = ("partition-id",)
 
@@ -37,21 +39,20 @@ CLIENT_ONLY_METRICS = ("partition-id",)
 def aggregate_split_metrics(records: list[RecordDict], weighting_key: str) -> MetricRecord:
     """Sum counts, bytes and seconds; average the rest weighted by ``weighting_key``."""
     totals: dict[str, float] = {}
-    weight_sum = sum(float(_metrics(r)[weighting_key]) for r in records) or 1.0
-    for record in records:
-        metrics = _metrics(record)
+    first_metrics = [next(iter(r.metric_records.values())) for r in records]
+    weight_sum = sum(float(m[weighting_key]) for m in first_metrics) or 1.0
+    for metrics in first_metrics:
         weight = float(metrics[weighting_key]) / weight_sum
         for key, value in metrics.items():
             if key in CLIENT_ONLY_METRICS:
+                continue
+            if key in MAX_METRICS:
+                totals[key] = max(totals.get(key, float("-inf")), float(value))
                 continue
             share = float(value) if key in SUMMED_METRICS else float(value) * weight
             totals[key] = totals.get(key, 0.0) + share
     totals["clients"] = float(len(records))
     return MetricRecord(totals)
-
-
-def _metrics(record: RecordDict) -> MetricRecord:
-    return next(iter(record.metric_records.values()))
 
 
 class SplitFed(FedAvg):
@@ -66,13 +67,9 @@ class SplitFed(FedAvg):
         Issues a data-plane token for (client, cut, round).
     revoke_round : Callable[[int], None]
         Revokes the tokens of a finished round.
-    dropout_rate : float
-        Probability that a sampled client is told to vanish mid-round
-        (failure injection; 0 in normal runs).
-    dropout_after_steps : int
-        Batches a dropping client completes before vanishing.
-    seed : int
-        Seeds the failure injection.
+    round_deadline_s : float, optional
+        Virtual seconds; a client reporting a longer ``virtual-s`` is a
+        straggler and is left out of the round like a failed one.
     **fedavg_kwargs : Any
         Passed to :class:`flwr.serverapp.strategy.FedAvg`.
     """
@@ -83,9 +80,7 @@ class SplitFed(FedAvg):
         task: SplitTask,
         issue_token: IssueToken,
         revoke_round: Callable[[int], None],
-        dropout_rate: float = 0.0,
-        dropout_after_steps: int = 2,
-        seed: int = 0,
+        round_deadline_s: float | None = None,
         **fedavg_kwargs: Any,
     ) -> None:
         fedavg_kwargs.setdefault("train_metrics_aggr_fn", aggregate_split_metrics)
@@ -93,9 +88,7 @@ class SplitFed(FedAvg):
         self.task = task
         self.issue_token = issue_token
         self.revoke_round = revoke_round
-        self.dropout_rate = dropout_rate
-        self.dropout_after_steps = dropout_after_steps
-        self.seed = seed
+        self.round_deadline_s = round_deadline_s
         #: Per round: one row per sampled client (its metrics, or its failure).
         self.client_rows: dict[int, list[dict[str, Any]]] = {}
         #: Per round: the aggregated training metrics.
@@ -113,26 +106,21 @@ class SplitFed(FedAvg):
         """Sample clients as FedAvg does, then give each its own data-plane session."""
         messages = super().configure_train(server_round, arrays, config, grid)
         self._round_started = time.perf_counter()
-        rng = random.Random(self.seed * 7919 + server_round)
-        return [self._session_message(m, server_round, rng, "train.split") for m in messages]
+        return [self._session_message(m, server_round, "train.split") for m in messages]
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Federated evaluation through the trunk (off unless fraction_evaluate > 0)."""
         messages = super().configure_evaluate(server_round, arrays, config, grid)
-        return [self._session_message(m, server_round, None, "evaluate") for m in messages]
+        return [self._session_message(m, server_round, "evaluate") for m in messages]
 
-    def _session_message(
-        self, message: Message, server_round: int, rng: random.Random | None, kind: str
-    ) -> Message:
+    def _session_message(self, message: Message, server_round: int, kind: str) -> Message:
         node = message.metadata.dst_node_id
-        drops = rng is not None and rng.random() < self.dropout_rate
         task = replace(
             self.task,
             server_round=server_round,
             token=self.issue_token(str(node), self.task.cut, server_round),
-            fail_after_steps=self.dropout_after_steps if drops else -1,
         )
         config = ConfigRecord({**message.content[self.configrecord_key], **task.to_config()})
         content = RecordDict(
@@ -144,14 +132,21 @@ class SplitFed(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Close the round's sessions, record per-client rows, then FedAvg."""
+        """Close the round's sessions, record every client, FedAvg those that finished."""
         replies = list(replies)
         round_train_s = time.perf_counter() - self._round_started
         self.revoke_round(server_round)
-        self.client_rows[server_round] = [_client_row(r) for r in replies]
-        arrays, metrics = super().aggregate_train(server_round, replies)
+        statuses = [reply_status(r, deadline_s=self.round_deadline_s) for r in replies]
+        self.client_rows[server_round] = [
+            client_row(r, s) for r, s in zip(replies, statuses, strict=True)
+        ]
+        finished = [r for r, s in zip(replies, statuses, strict=True) if s == "ok"]
+        arrays, metrics = super().aggregate_train(server_round, finished)
         if metrics is not None:
-            metrics["failed-clients"] = sum(r.has_error() for r in replies)
+            counts = status_counts(statuses)
+            metrics["failed-clients"] = len(replies) - counts["ok"]
+            for status in ("straggler", *FAILURE_KINDS):
+                metrics[f"clients-{status}"] = counts[status]
             # Server-side wall time from sending the round to having every reply.
             metrics["round-train-s"] = round_train_s
             self.train_metrics[server_round] = metrics
@@ -164,16 +159,3 @@ class SplitFed(FedAvg):
         metrics = super().aggregate_evaluate(server_round, replies)
         self.revoke_round(server_round)
         return metrics
-
-
-def _client_row(reply: Message) -> dict[str, Any]:
-    node = str(reply.metadata.src_node_id)
-    if reply.has_error():
-        return {"client": node, "node_id": node, "status": "failed",
-                "reason": reply.error.reason[:200]}
-    metrics: Mapping[str, Any] = _metrics(reply.content)
-    # Partition ids are short and stable across runs; node ids are neither.
-    client = str(int(metrics["partition-id"])) if "partition-id" in metrics else node
-    return {"client": client, "node_id": node, "status": "ok"} | {
-        k.replace("-", "_"): v for k, v in metrics.items() if k != "partition-id"
-    }

@@ -10,12 +10,24 @@ import torch
 
 from splitlearn.models.base import SplittableModel, StageCost, total_cost
 from splitlearn.models.cnn import SmallCNN
-from splitlearn.models.resnet import ResNet
+from splitlearn.models.densenet import DenseNet
+from splitlearn.models.lenet import LeNet5
+from splitlearn.models.mobilenet import MobileNetV2
+from splitlearn.models.resnet import ResNet, ResNet18
+from splitlearn.models.vgg import VGG11BN
+from splitlearn.models.vit import ViT
 
 __all__ = [
     "MODELS",
+    "ZOO",
+    "DenseNet",
+    "LeNet5",
+    "MobileNetV2",
     "ResNet",
+    "ResNet18",
     "SmallCNN",
+    "VGG11BN",
+    "ViT",
     "SplittableModel",
     "StageCost",
     "build_model",
@@ -23,8 +35,22 @@ __all__ = [
 ]
 
 # Read-only so that no caller can register models as a global side effect.
+# MODELS: the project's small default networks (five stages, deterministic in
+# train mode, fast at 8x8); the generic model and split tests run over them.
 MODELS: Mapping[str, type[SplittableModel]] = MappingProxyType(
     {"cnn": SmallCNN, "resnet": ResNet}
+)
+# ZOO: published architectures for 8x8 to 224x224 inputs (docs/zoo.md), with
+# their own stage counts and dropout; tests/unit/test_zoo.py covers them.
+ZOO: Mapping[str, type[SplittableModel]] = MappingProxyType(
+    {
+        "lenet5": LeNet5,
+        "vgg11_bn": VGG11BN,
+        "resnet18": ResNet18,
+        "mobilenetv2": MobileNetV2,
+        "densenet121": DenseNet,
+        "vit": ViT,
+    }
 )
 
 
@@ -42,7 +68,9 @@ def build_model(
     Parameters
     ----------
     name : str
-        Registry key, one of ``MODELS`` (``"cnn"``, ``"resnet"``).
+        Registry key, one of ``MODELS`` (``"cnn"``, ``"resnet"``) or ``ZOO``
+        (``"lenet5"``, ``"vgg11_bn"``, ``"resnet18"``, ``"mobilenetv2"``,
+        ``"densenet121"``, ``"vit"``).
     in_channels : int
         Input channels.
     image_size : int
@@ -66,11 +94,12 @@ def build_model(
     ValueError
         If ``name`` is not registered.
     """
-    if name not in MODELS:
+    registry = {**MODELS, **ZOO}
+    if name not in registry:
         raise ValueError(
-            f"unknown model {name!r}; accepted names are {sorted(MODELS)}"
+            f"unknown model {name!r}; accepted names are {sorted(registry)}"
         )
-    cls = MODELS[name]
+    cls = registry[name]
     if seed is None:
         return cls(
             in_channels=in_channels,

@@ -23,6 +23,12 @@ left untouched). All numbers are per sample:
   - element-wise activations (ReLU & co.): ``out.numel()``.
   - pooling layers: ``in.numel()`` (every input element is read once and
     compared or added).
+  - ``LayerNorm`` / ``GroupNorm``: ``5 * out.numel()`` with an affine transform,
+    ``4 * out.numel()`` without (mean, variance, normalise, scale and shift;
+    fvcore's convention). Unlike BatchNorm it cannot be folded at inference.
+  - a leaf module deriving from :class:`CountsOwnFlops` reports its own
+    FLOPs; the zoo's ViT uses one for the attention matmuls, which are not
+    modules (see :mod:`splitlearn.models.vit`).
   - everything else (``Flatten``, ``Identity``, ``Dropout``, unknown modules)
     and functional operations such as residual additions: 0. They are
     negligible next to convolutions and linear layers.
@@ -35,6 +41,11 @@ left untouched). All numbers are per sample:
   counts e.g. int64 max-pool indices. The stage input is included when the
   stage needs it for backward (a first conv does), matching what the device
   holding the stage must keep alive.
+* ``input_saved_bytes_per_sample`` / ``output_saved_bytes_per_sample`` -- the
+  part of the above that is the stage's input / output. Summing consecutive
+  stages counts a boundary tensor twice when both neighbours save it, and
+  does not count an output nobody saves although the device holds it until
+  it is sent; :func:`segment_memory_bytes_per_sample` corrects both.
 """
 
 from __future__ import annotations
@@ -70,6 +81,33 @@ _POOLS = (
 )
 
 
+class CountsOwnFlops(nn.Module):
+    """A leaf module (no children) that reports its own forward FLOPs.
+
+    Functional operations inside a module with children are invisible to the
+    per-leaf counter of :meth:`SplittableModel.stage_costs`. Wrapping such an
+    operation (e.g. the two matmuls of attention) in a leaf deriving from this
+    class makes it countable.
+    """
+
+    def count_flops(self, inputs: tuple[Tensor, ...], output: Tensor) -> int:
+        """Return the forward FLOPs (multiply-add = 2) of one call.
+
+        Parameters
+        ----------
+        inputs : tuple[Tensor, ...]
+            The positional arguments the module was called with.
+        output : Tensor
+            What it returned.
+
+        Returns
+        -------
+        int
+            FLOPs for the whole call (the profiler calls it with a batch of 1).
+        """
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class StageCost:
     """Per-sample cost of one stage (see the module docstring for conventions).
@@ -86,6 +124,12 @@ class StageCost:
         Bytes of the stage's output tensor per sample, as float32.
     train_memory_bytes_per_sample : int
         Bytes saved for backward per sample inside this stage.
+    input_saved_bytes_per_sample : int
+        Part of ``train_memory_bytes_per_sample`` that is the stage's input
+        (0 when unknown, e.g. for hand-made costs).
+    output_saved_bytes_per_sample : int
+        Part of ``train_memory_bytes_per_sample`` that is the stage's output
+        (e.g. a final ReLU saves it; 0 when unknown).
     """
 
     name: str
@@ -93,6 +137,8 @@ class StageCost:
     flops_per_sample: int
     activation_bytes_per_sample: int
     train_memory_bytes_per_sample: int
+    input_saved_bytes_per_sample: int = 0
+    output_saved_bytes_per_sample: int = 0
 
 
 def total_cost(costs: Sequence[StageCost], name: str = "total") -> StageCost:
@@ -128,6 +174,41 @@ def total_cost(costs: Sequence[StageCost], name: str = "total") -> StageCost:
             c.train_memory_bytes_per_sample for c in costs
         ),
     )
+
+
+def segment_memory_bytes_per_sample(costs: Sequence[StageCost]) -> int:
+    """Bytes per sample a device running consecutive stages holds after its forward.
+
+    That is what autograd keeps for the backward pass plus the segment's
+    output (the smashed data, held until sent). Unlike summing
+    ``train_memory_bytes_per_sample``, a tensor at an inner stage boundary
+    that both neighbouring stages save is counted once: on one device it is
+    one tensor. Pure arithmetic on the costs, so planners can use it without
+    torch; ``tests/unit/test_zoo.py`` compares it with a measurement.
+
+    Parameters
+    ----------
+    costs : Sequence[StageCost]
+        Consecutive stage costs from :meth:`SplittableModel.stage_costs`, e.g.
+        ``costs[:cut]`` for the client side of ``cut``.
+
+    Returns
+    -------
+    int
+        Bytes per sample.
+
+    Raises
+    ------
+    ValueError
+        If ``costs`` is empty.
+    """
+    if not costs:
+        raise ValueError("segment_memory_bytes_per_sample needs at least one StageCost")
+    total = sum(c.train_memory_bytes_per_sample for c in costs)
+    for prev, nxt in zip(costs[:-1], costs[1:], strict=True):
+        total -= min(prev.output_saved_bytes_per_sample, nxt.input_saved_bytes_per_sample)
+    last = costs[-1]
+    return total + max(0, last.activation_bytes_per_sample - last.output_saved_bytes_per_sample)
 
 
 def check_dims(in_channels: int, image_size: int, num_classes: int) -> None:
@@ -182,6 +263,9 @@ class SplittableModel(nn.Module):
         self.stages = nn.ModuleList(stages)
         self.input_shape = tuple(input_shape)
         self.num_classes = num_classes
+        # Subclasses may set readable names (e.g. "stem", "layer1") after
+        # super().__init__(); empty means "stage<i>".
+        self.stage_names: tuple[str, ...] = ()
 
     def forward(self, x: Tensor) -> Tensor:
         """Run all stages in order.
@@ -204,6 +288,23 @@ class SplittableModel(nn.Module):
     def num_stages(self) -> int:
         """Number of stages."""
         return len(self.stages)
+
+    def stage_name(self, index: int) -> str:
+        """Readable name of stage ``index`` (``stage_names`` or ``"stage<i>"``).
+
+        Parameters
+        ----------
+        index : int
+            Stage index in ``[0, num_stages)``.
+
+        Returns
+        -------
+        str
+            The name used in :class:`StageCost` and reports.
+        """
+        if len(self.stage_names) == self.num_stages:
+            return self.stage_names[index]
+        return f"stage{index}"
 
     @property
     def valid_cuts(self) -> list[int]:
@@ -280,16 +381,18 @@ class SplittableModel(nn.Module):
         costs = []
         with _eval_mode(self):
             for index, stage in enumerate(self.stages):
-                x, flops, memory = _profile_stage(stage, x, exclude)
+                x, flops, memory, saved_in, saved_out = _profile_stage(stage, x, exclude)
                 costs.append(
                     StageCost(
-                        name=f"stage{index}",
+                        name=self.stage_name(index),
                         params=sum(
                             p.numel() for p in stage.parameters() if p.requires_grad
                         ),
                         flops_per_sample=flops,
                         activation_bytes_per_sample=FLOAT32_BYTES * x[0].numel(),
                         train_memory_bytes_per_sample=memory,
+                        input_saved_bytes_per_sample=saved_in,
+                        output_saved_bytes_per_sample=saved_out,
                     )
                 )
                 # The next stage sees a fresh leaf, as on the server side.
@@ -336,25 +439,32 @@ def _leaf_flops(module: nn.Module, inp: Tensor, out: Tensor) -> int:
         return out.numel()
     if isinstance(module, _POOLS):
         return inp.numel()
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm)):
+        affine = getattr(module, "elementwise_affine", getattr(module, "affine", False))
+        return (5 if affine else 4) * out.numel()
     return 0
 
 
 def _profile_stage(
     stage: nn.Module, x: Tensor, exclude: set[int]
-) -> tuple[Tensor, int, int]:
+) -> tuple[Tensor, int, int, int, int]:
     """Run ``stage`` on ``x`` and measure FLOPs and bytes saved for backward.
 
     Returns
     -------
-    tuple[Tensor, int, int]
-        The stage output, its FLOPs and the saved-tensor bytes. ``x`` must be
-        a batch of one so that totals are per-sample.
+    tuple[Tensor, int, int, int, int]
+        The stage output, its FLOPs, the saved-tensor bytes, and the saved
+        bytes that are the input's and the output's storage. ``x`` must be a
+        batch of one so that totals are per-sample.
     """
     flops: list[int] = []
     saved: dict[int, int] = {}
 
     def hook(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
-        flops.append(_leaf_flops(module, args[0], out))
+        if isinstance(module, CountsOwnFlops):
+            flops.append(module.count_flops(args, out))
+        else:
+            flops.append(_leaf_flops(module, args[0], out))
 
     def pack(t: Tensor) -> Tensor:
         storage = t.untyped_storage()
@@ -373,4 +483,6 @@ def _profile_stage(
     finally:
         for handle in handles:
             handle.remove()
-    return out, sum(flops), sum(saved.values())
+    saved_in = saved.get(x.untyped_storage().data_ptr(), 0)
+    saved_out = saved.get(out.untyped_storage().data_ptr(), 0)
+    return out, sum(flops), sum(saved.values()), saved_in, saved_out

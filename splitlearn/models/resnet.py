@@ -1,4 +1,10 @@
-"""A CIFAR-style ResNet built from BasicBlocks, split into stem/groups/head."""
+"""ResNets built from BasicBlocks, split into stem/groups/head.
+
+:class:`ResNet` is the small CIFAR-style network (registry name ``"resnet"``);
+:class:`ResNet18` is He et al.'s ResNet-18 (registry name ``"resnet18"``),
+parameter for parameter the torchvision architecture (11,689,512 parameters
+for 3x224x224 inputs and 1000 classes).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,11 @@ from splitlearn.models.base import SplittableModel, check_dims
 
 # Above this size the stem downsamples once so larger inputs stay cheap.
 _STRIDE1_MAX_SIZE = 32
+# From this size on the "auto" stem is ImageNet's 7x7/2 conv + 3x3/2 max pool
+# (4x downsampling); below it a 3x3 stride-1 conv keeps small images' detail,
+# as CIFAR ResNets do.
+_IMAGENET_STEM_MIN_SIZE = 64
+_STEMS = ("cifar", "imagenet", "auto")
 
 
 class BasicBlock(nn.Module):
@@ -84,6 +95,11 @@ class ResNet(SplittableModel):
     blocks_per_stage : int, optional
         BasicBlocks per group. Default 1: the shallowest residual net (an
         8-layer ResNet), cheap enough for many simulated CPU clients.
+    stem : str, optional
+        ``"cifar"`` (default, the behaviour described above), ``"imagenet"``
+        (``conv7x7/2-bn-relu-maxpool3x3/2``, as in He et al.) or ``"auto"``
+        (``"imagenet"`` for inputs of at least 64x64, else ``conv3x3``
+        with stride 1).
     """
 
     def __init__(
@@ -94,22 +110,16 @@ class ResNet(SplittableModel):
         num_classes: int,
         widths: Sequence[int] = (16, 32, 64),
         blocks_per_stage: int = 1,
+        stem: str = "cifar",
     ) -> None:
         check_dims(in_channels, image_size, num_classes)
+        if stem not in _STEMS:
+            raise ValueError(f"unknown stem {stem!r}; accepted stems are {list(_STEMS)}")
         if not widths:
             raise ValueError("widths must name at least one block group")
         if blocks_per_stage < 1:
             raise ValueError(f"blocks_per_stage must be >= 1, got {blocks_per_stage}")
-        stem_stride = 1 if image_size <= _STRIDE1_MAX_SIZE else 2
-        stages: list[nn.Module] = [
-            nn.Sequential(
-                nn.Conv2d(
-                    in_channels, widths[0], 3, stride=stem_stride, padding=1, bias=False
-                ),
-                nn.BatchNorm2d(widths[0]),
-                nn.ReLU(),
-            )
-        ]
+        stages: list[nn.Module] = [_stem(stem, in_channels, widths[0], image_size)]
         prev = widths[0]
         for index, width in enumerate(widths):
             stages.append(_group(prev, width, blocks_per_stage, 1 if index == 0 else 2))
@@ -136,6 +146,67 @@ class ResNet(SplittableModel):
             elif isinstance(module, nn.BatchNorm2d):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
+
+
+class ResNet18(ResNet):
+    """ResNet-18 (He et al. 2016): stages ``stem | layer1..layer4 | head``.
+
+    Widths ``(64, 128, 256, 512)`` with two BasicBlocks each; ``layer2`` to
+    ``layer4`` halve the resolution in their first block (1x1 projection
+    shortcut). The head is global average pooling and a linear layer.
+
+    Parameters
+    ----------
+    in_channels : int
+        Input channels.
+    image_size : int
+        Height and width of the square input, 8 to 224 (and beyond).
+    num_classes : int
+        Number of output logits.
+    stem : str, optional
+        Default ``"auto"``: ImageNet's ``conv7x7/2 + maxpool/2`` from 64x64 up
+        (so 224x224 gives the published network, 1.82 GMACs), a 3x3 stride-1
+        conv below (the CIFAR adaptation; 4x downsampling would leave 2x2
+        maps at 32x32 before ``layer2``).
+    """
+
+    def __init__(
+        self,
+        *,
+        in_channels: int,
+        image_size: int,
+        num_classes: int,
+        stem: str = "auto",
+    ) -> None:
+        super().__init__(
+            in_channels=in_channels,
+            image_size=image_size,
+            num_classes=num_classes,
+            widths=(64, 128, 256, 512),
+            blocks_per_stage=2,
+            stem=stem,
+        )
+        self.stage_names = ("stem", "layer1", "layer2", "layer3", "layer4", "head")
+
+
+def _stem(kind: str, in_channels: int, width: int, image_size: int) -> nn.Sequential:
+    """Build the stem: see the ``stem`` parameter of :class:`ResNet`."""
+    if kind == "auto":
+        kind = "imagenet" if image_size >= _IMAGENET_STEM_MIN_SIZE else "small"
+    if kind == "imagenet":
+        return nn.Sequential(
+            nn.Conv2d(in_channels, width, 7, stride=2, padding=3, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.MaxPool2d(3, stride=2, padding=1),
+        )
+    # "cifar" keeps the original rule; "small" (auto below 64 px) never strides.
+    stride = 2 if kind == "cifar" and image_size > _STRIDE1_MAX_SIZE else 1
+    return nn.Sequential(
+        nn.Conv2d(in_channels, width, 3, stride=stride, padding=1, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+    )
 
 
 def _group(in_channels: int, width: int, blocks: int, stride: int) -> nn.Sequential:

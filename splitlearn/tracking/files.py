@@ -25,7 +25,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from splitlearn.tracking.plots import plot_client_metrics, plot_round_metrics
+from splitlearn.tracking.plots import (
+    plot_accuracy_vs_time,
+    plot_client_metrics,
+    plot_client_time_breakdown,
+    plot_round_metrics,
+)
 
 _LOG = logging.getLogger(__name__)
 
@@ -35,6 +40,8 @@ METRICS_CSV = "metrics.csv"
 CLIENTS_CSV = "clients.csv"
 METRICS_PNG = "metrics.png"
 CLIENTS_PNG = "clients.png"
+TIME_PNG = "accuracy_time.png"
+CLIENT_TIME_PNG = "client_time.png"
 
 
 class FileSink:
@@ -111,8 +118,12 @@ class FileSink:
         try:
             if self._rounds:
                 plot_round_metrics(self.rounds, self.run_dir / METRICS_PNG, title=title)
+                plot_accuracy_vs_time(self.rounds, self.run_dir / TIME_PNG, title=title)
             if self._client_rows:
                 plot_client_metrics(self._client_rows, self.run_dir / CLIENTS_PNG, title=title)
+                plot_client_time_breakdown(
+                    self._client_rows, self.run_dir / CLIENT_TIME_PNG, title=title
+                )
         except ImportError as err:
             _LOG.warning("no plots written (%s); the CSV/JSON files are complete", err)
 

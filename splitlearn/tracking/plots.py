@@ -102,6 +102,85 @@ def plot_client_metrics(
     return _save(fig, path)
 
 
+#: Causes of a client's virtual time, stacked bottom to top in the breakdown plot.
+TIME_PARTS = (
+    ("virtual_compute_s", "compute"),
+    ("virtual_upload_s", "upload"),
+    ("virtual_download_s", "download"),
+    ("virtual_latency_s", "latency"),
+)
+
+
+def plot_accuracy_vs_time(
+    rounds: Sequence[Mapping[str, Any]], path: Path, *, title: str | None = None
+) -> Path | None:
+    """Plot test accuracy against virtual device time and against wall time.
+
+    Returns None (nothing written) when the rows carry no ``virtual_time_s``.
+    """
+    points = [
+        (_number(r.get("virtual_time_s")), _number(r.get("wall_s")),
+         _number(r.get("test_accuracy")))
+        for r in rounds
+    ]
+    points = [p for p in points if math.isfinite(p[0]) and math.isfinite(p[2])]
+    if not points:
+        return None
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import PercentFormatter
+
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    for ax, index, label in zip(
+        fig.subplots(1, 2), (0, 1), ("Virtual time on the devices (s)", "Wall time here (s)"),
+        strict=True,
+    ):
+        xs = [p[index] for p in points]
+        ax.plot(xs, [p[2] for p in points], marker="o" if len(points) <= 40 else None,
+                markersize=4, linewidth=1.8)
+        ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
+        ax.set_xlabel(label)
+        ax.set_ylabel("Test accuracy")
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(_title("Accuracy over time", title), fontweight="bold")
+    return _save(fig, path)
+
+
+def plot_client_time_breakdown(
+    rows: Sequence[Mapping[str, Any]], path: Path, *, title: str | None = None
+) -> Path | None:
+    """Stack each client's virtual time by cause (last round), labelled by profile.
+
+    Clients that did not finish get no bar but keep their label with the cause.
+    Returns None when the rows carry no virtual time.
+    """
+    last_round, last = _last_round(rows)
+    if not _keys_with(last, "virtual_compute_s"):
+        return None
+    from matplotlib.figure import Figure
+
+    last = sorted(last, key=lambda row: _natural_key(row.get("client")))
+    labels = [
+        f"{row.get('client', '?')}\n{row.get('profile', '')}"
+        + ("" if row.get("status", "ok") == "ok" else f"\n({row['status']})")
+        for row in last
+    ]
+    fig, axes = _client_figure(Figure, len(last), 1)
+    ax = axes[0]
+    bottom = [0.0] * len(last)
+    for key, name in TIME_PARTS:
+        heights = [_number(row.get(key)) for row in last]
+        heights = [h if math.isfinite(h) else 0.0 for h in heights]
+        ax.bar(range(len(last)), heights, 0.6, bottom=bottom, label=name)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    _client_axis(ax, labels)
+    ax.set_ylabel("Virtual seconds")
+    ax.legend(loc="upper left", ncols=2, frameon=False)
+    ax.set_ylim(top=max(bottom, default=1.0) * 1.3 or 1.0)
+    when = "" if last_round is None else f", round {last_round}"
+    fig.suptitle(_title(f"Where each client's time goes{when}", title), fontweight="bold")
+    return _save(fig, path)
+
+
 def _client_figure(figure_cls: Any, n_clients: int, panels: int) -> tuple[Any, list[Axes]]:
     """Make a figure whose bars stay readable for 2 or 200 clients."""
     width = min(20.0, max(5.5, 0.32 * n_clients + 2.0))
@@ -194,7 +273,8 @@ def _draw_compute_panel(ax: Axes, rows: Sequence[Mapping[str, Any]], labels: lis
 
 def _client_axis(ax: Axes, labels: list[str]) -> None:
     # Long ids (Flower node ids are 19-digit ints) or many clients collide.
-    crowded = len(labels) > 12 or max((len(s.split("\n")[0]) for s in labels), default=0) > 8
+    longest = max((len(line) for s in labels for line in s.split("\n")), default=0)
+    crowded = len(labels) > 12 or longest > 8
     ax.set_xticks(range(len(labels)), labels, rotation=90 if crowded else 0, fontsize=8)
     ax.set_xlabel("Client")
     ax.grid(True, axis="y", alpha=0.3)

@@ -33,7 +33,7 @@ _ENV_MODES: Mapping[str, str] = {
     "dryrun": "offline",
     "disabled": "disabled",
 }
-_PLOTS = ("metrics.png", "clients.png")
+_PLOTS = ("metrics.png", "clients.png", "accuracy_time.png", "client_time.png")
 
 
 def resolve_mode(mode: str = "auto", *, environ: Mapping[str, str] | None = None) -> str:

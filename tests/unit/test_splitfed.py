@@ -87,7 +87,7 @@ def test_split_metrics_sum_counts_and_average_rates():
 
 
 def test_task_round_trips_through_a_config_record():
-    task = replace(TASK, server_round=3, token="abc", fail_after_steps=2)
+    task = replace(TASK, server_round=3, token="abc", dropout_rate=0.5, emulate=1)
     assert SplitTask.from_config(task.to_config()) == task
 
 
@@ -114,3 +114,51 @@ def test_tokens_expire():
     tokens = TokenRegistry()
     t = tokens.issue(client="1", cut=1, server_round=1, ttl_s=-1)
     assert tokens.lookup(t) is None
+
+
+def declined(node: int, status: str) -> Message:
+    from flwr.app import ConfigRecord
+
+    from splitlearn.task import STATUS_KEY
+
+    request = Message(content=RecordDict(), dst_node_id=node, message_type="train.split")
+    content = RecordDict({
+        STATUS_KEY: ConfigRecord({"status": status, "reason": f"[{status}] test"}),
+        "metrics": MetricRecord({"partition-id": node}),
+    })
+    return Message(content=content, reply_to=request)
+
+
+def test_stragglers_declines_and_dropouts_are_recorded_and_left_out():
+    strategy = SplitFed(task=TASK, issue_token=lambda c, k, r: "t", revoke_round=lambda r: None,
+                        round_deadline_s=5.0)
+    w = [np.full((3, 2), v, dtype=np.float32) for v in (1.0, 2.0, 3.0)]
+    replies = [
+        reply(1, w[0], 10, **{"virtual-s": 4.0}),
+        reply(2, w[1], 10, **{"virtual-s": 9.0}),  # past the 5 s deadline
+        reply(3, w[2], 10, **{"virtual-s": 1.0}),
+        declined(4, "unavailable"),
+        declined(5, "memory"),
+        failed(6),
+    ]
+    strategy._round_started = time.perf_counter()
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    np.testing.assert_allclose(arrays["0.weight"].numpy(), np.full((3, 2), 2.0))  # mean(1, 3)
+    assert metrics["failed-clients"] == 4
+    assert metrics["clients-straggler"] == 1 and metrics["clients-unavailable"] == 1
+    assert metrics["clients-memory"] == 1 and metrics["clients-dropout"] == 0
+    assert metrics["virtual-s"] == 4.0  # the slowest client that counted
+    rows = {row["node_id"]: row for row in strategy.client_rows[1]}
+    assert rows["2"]["status"] == "straggler" and rows["4"]["status"] == "unavailable"
+    assert rows["5"]["reason"] == "[memory] test" and rows["6"]["status"] == "failed"
+
+
+def test_tagged_client_errors_are_classified():
+    from flwr.app import Error
+
+    from strategies.failures import reply_status
+
+    request = Message(content=RecordDict(), dst_node_id=9, message_type="train.split")
+    error = Message(Error(code=0, reason="Traceback ...\nInjectedDropout: [dropout] vanished"),
+                    reply_to=request)
+    assert reply_status(error, deadline_s=None) == "dropout"

@@ -1,0 +1,33 @@
+"""Attacks that measure what smashed data and cut-layer gradients reveal.
+
+* :mod:`~splitlearn.attacks.inversion`: model inversion with a decoder trained
+  on (released activations, input) pairs from auxiliary data; scored with MSE
+  and SSIM (:mod:`~splitlearn.attacks.similarity`).
+* :mod:`~splitlearn.attacks.dcor`: distance correlation between inputs and
+  released activations.
+* :mod:`~splitlearn.attacks.label_leak`: label leakage from the cut-layer
+  gradients the trunk returns (norm and direction attacks, ROC AUC).
+"""
+
+from splitlearn.attacks.dcor import distance_correlation
+from splitlearn.attacks.inversion import InversionDecoder, InversionResult, invert
+from splitlearn.attacks.label_leak import (
+    cut_layer_gradients,
+    direction_attack_auc,
+    norm_attack_auc,
+    roc_auc,
+)
+from splitlearn.attacks.similarity import mse, ssim
+
+__all__ = [
+    "InversionDecoder",
+    "InversionResult",
+    "cut_layer_gradients",
+    "direction_attack_auc",
+    "distance_correlation",
+    "invert",
+    "mse",
+    "norm_attack_auc",
+    "roc_auc",
+    "ssim",
+]

@@ -1,0 +1,48 @@
+"""Privacy of what leaves a client: activation clip+noise, DP-SGD, accounting.
+
+Mechanisms (:mod:`~splitlearn.privacy.mechanism`, :mod:`~splitlearn.privacy.dpsgd`)
+are separate from accounting (:mod:`~splitlearn.privacy.accounting`); the
+config's ``privacy.name`` picks one behaviour from
+:data:`~splitlearn.privacy.registry.PRIVACY_OPTIONS`. What each option's epsilon
+covers, and what it does not, is spelt out in the README's "Privacy" section.
+"""
+
+from splitlearn.privacy.accounting import (
+    PrivacyAccountant,
+    PrivacyBudgetExhausted,
+    Step,
+    compute_epsilon,
+)
+from splitlearn.privacy.dpsgd import DPSGDBottom, ExternalGradDPOptimizer, poisson_batches
+from splitlearn.privacy.mechanism import (
+    GaussianActivationMechanism,
+    clip_per_sample,
+    per_sample_norms,
+)
+from splitlearn.privacy.registry import (
+    PRIVACY_OPTIONS,
+    ClientPrivacy,
+    PrivacySettings,
+    make_client_privacy,
+    secret_generator,
+    with_release_at_cut,
+)
+
+__all__ = [
+    "PRIVACY_OPTIONS",
+    "ClientPrivacy",
+    "DPSGDBottom",
+    "ExternalGradDPOptimizer",
+    "GaussianActivationMechanism",
+    "PrivacyAccountant",
+    "PrivacyBudgetExhausted",
+    "PrivacySettings",
+    "Step",
+    "clip_per_sample",
+    "compute_epsilon",
+    "make_client_privacy",
+    "per_sample_norms",
+    "poisson_batches",
+    "secret_generator",
+    "with_release_at_cut",
+]
