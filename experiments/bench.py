@@ -1,5 +1,10 @@
 """Benchmarks (numbers, not tests): ``python -m experiments.bench NAME [overrides ...]``.
 
+``scale``
+    Peak memory of ``+scenario=large_scale`` with 100 and with 1,000 registered
+    clients (same clients per round): the ServerApp process and the whole
+    process tree (Ray workers included), sampled from /proc every 0.2 s.
+
 ``overhead``
     Samples/s of SplitFed through the real stack (Flower Simulation Engine,
     ClientApps in Ray actors, gRPC data plane) divided by samples/s of the same
@@ -86,7 +91,72 @@ def bench_overhead(overrides: Sequence[str]) -> float:
     return ratio
 
 
-BENCHMARKS = {"overhead": bench_overhead}
+def _rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _descendants(root: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                stat = (proc / "stat").read_text()
+                parents[int(proc.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return tree
+
+
+def peak_memory_of_run(overrides: Sequence[str]) -> tuple[int, int, float]:
+    """Run ``experiments.run`` in a subprocess; return peak RSS (main, tree) and seconds."""
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory(prefix="bench-") as run_dir:
+        cmd = [sys.executable, "-m", "experiments.run", f"hydra.run.dir={run_dir}", *overrides]
+        started = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        peak_main = peak_tree = 0
+        while proc.poll() is None:
+            peak_main = max(peak_main, _rss_bytes(proc.pid))
+            peak_tree = max(peak_tree, sum(_rss_bytes(p) for p in _descendants(proc.pid)))
+            time.sleep(0.2)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}")
+        return peak_main, peak_tree, time.perf_counter() - started
+
+
+def bench_scale(overrides: Sequence[str]) -> float:
+    """Peak memory with 100 and 1,000 registered clients; return the ratio of tree peaks."""
+    peaks = {}
+    for clients in (100, 1000):
+        # Same number of clients per round at both sizes: only registration differs.
+        fraction = 10 / clients
+        run = ["+scenario=large_scale", f"num_clients={clients}", "logger=none",
+               f"strategy.fraction_train={fraction}", "strategy.num_rounds=5", *overrides]
+        peaks[clients] = peak_memory_of_run(run)
+        main, tree, seconds = peaks[clients]
+        print(f"{clients:>5} clients: peak RSS ServerApp process {main / 2**20:7.1f} MiB, "
+              f"process tree {tree / 2**20:7.1f} MiB, {seconds:.1f} s", flush=True)
+    ratio = peaks[1000][1] / peaks[100][1]
+    print(f"tree peak ratio 1000/100 clients: {ratio:.3f}")
+    print(f"{ratio:.3f}")
+    return ratio
+
+
+BENCHMARKS = {"overhead": bench_overhead, "scale": bench_scale}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,51 @@
+"""Scenarios end to end: device profiles, virtual clock, stragglers, memory declines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.test_simulation import read_clients, run_experiment
+
+
+def test_flaky_network_scenario_times_rounds_and_leaves_out_stragglers(tmp_path):
+    run_dir = run_experiment(
+        tmp_path, "+scenario=flaky_network", "num_clients=6", "strategy.num_rounds=2",
+        "logger=none",
+    )
+    config = json.loads((run_dir / "config.json").read_text())
+    deadline = config["failures"]["round_deadline_s"]
+    rounds = {r["round"]: r for r in json.loads((run_dir / "metrics.json").read_text())}
+    rows = read_clients(run_dir)
+    assert {row["profile"] for row in rows} <= {"low_end_phone", "mid_range_phone",
+                                                 "flagship_phone", "?"}
+    timed = [row for row in rows if row["status"] in ("ok", "straggler")]
+    assert timed, "some clients must have trained"
+    for row in timed:  # a client is a straggler exactly when it missed the deadline
+        assert (row["status"] == "straggler") == (float(row["virtual_s"]) > deadline)
+    assert any(row["status"] == "straggler" for row in rows), "low-end phones miss 5 s"
+    for server_round in (1, 2):
+        ok = [r for r in rows if int(r["round"]) == server_round and r["status"] == "ok"]
+        if ok:
+            # The round lasts as long as its slowest counted client plus the trunk.
+            slowest = max(float(r["virtual_s"]) for r in ok)
+            metrics = rounds[server_round]
+            assert metrics["virtual_round_s"] == pytest.approx(slowest + metrics["trunk_s"])
+            assert metrics["examples"] == sum(float(r["num_examples"]) for r in ok)
+    assert rounds[2]["virtual_time_s"] > rounds[1]["virtual_time_s"] > 0
+    for png in ("accuracy_time.png", "client_time.png"):
+        assert (run_dir / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_memory_constrained_boards_decline_a_cut_they_cannot_hold(tmp_path):
+    run_dir = run_experiment(
+        tmp_path, "+scenario=memory_constrained", "num_clients=4", "strategy.num_rounds=2",
+        "logger=none",
+    )
+    rows = read_clients(run_dir)
+    boards = [row for row in rows if row["profile"] == "mcu_board"]
+    assert boards and all(row["status"] in ("memory", "unavailable") for row in boards)
+    assert any(row["status"] == "memory" and "needs" in row["reason"] for row in boards)
+    others = [row for row in rows if row["profile"] in ("wearable", "low_end_phone")]
+    assert any(row["status"] == "ok" for row in others)
