@@ -15,7 +15,7 @@ import logging
 import shlex
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from server.trunk import Trunk
+from server.trunk_modes import BatchingTrunk, TrunkPerClient
 from server.trunk_service import TokenRegistry, TrunkEndpoint, TrunkService
 from splitlearn.calibration import measure_host_flops_per_s
 from splitlearn.config import compose_config, to_container
@@ -43,6 +44,7 @@ from splitlearn.task import SplitTask
 from splitlearn.tracking import CompositeSink, make_sinks
 from splitlearn.wire import record_to_state, state_to_record
 from strategies.privacy import PrivacyBudgetGuard
+from strategies.sequential import SequentialSplit
 from strategies.splitfed import SplitFed
 
 log = logging.getLogger(__name__)
@@ -182,11 +184,11 @@ def make_task_template(
 
 
 def make_strategy(runtime: SplitRuntime) -> SplitFed:
-    """SplitFed configured from the run's config."""
+    """Build the configured protocol's strategy (and set the trunk mode it needs)."""
     cfg = runtime.cfg
     s = cfg.strategy
-    if s.name != "splitfed":
-        raise ValueError(f"strategy.name={s.name!r} is not available; accepted: 'splitfed'")
+    if s.name not in PROTOCOLS:
+        raise ValueError(f"strategy.name={s.name!r}; accepted: {', '.join(sorted(PROTOCOLS))}")
 
     def issue(client: str, cut: int, server_round: int) -> str:
         return runtime.tokens.issue(
@@ -194,23 +196,54 @@ def make_strategy(runtime: SplitRuntime) -> SplitFed:
             ttl_s=cfg.dataplane.token_ttl_s,
         )
 
-    strategy = SplitFed(
-        task=make_task_template(
+    common: dict[str, Any] = {
+        "task": make_task_template(
             cfg, runtime.service.address, host_flops_per_s=runtime.host_flops_per_s
         ),
-        issue_token=issue,
-        revoke_round=runtime.tokens.revoke_round,
-        round_deadline_s=cfg.failures.round_deadline_s,
-        fraction_train=s.fraction_train,
-        fraction_evaluate=s.fraction_evaluate,
-        min_train_nodes=s.min_train_nodes,
-        min_evaluate_nodes=s.min_train_nodes if s.fraction_evaluate > 0 else 0,
-        min_available_nodes=s.min_train_nodes,
-    )
+        "issue_token": issue,
+        "revoke_round": runtime.tokens.revoke_round,
+        "round_deadline_s": cfg.failures.round_deadline_s,
+        "fraction_train": s.fraction_train,
+        "fraction_evaluate": s.fraction_evaluate,
+        "min_train_nodes": s.min_train_nodes,
+        "min_evaluate_nodes": s.min_train_nodes if s.fraction_evaluate > 0 else 0,
+        "min_available_nodes": s.min_train_nodes,
+    }
+    strategy = PROTOCOLS[s.name](runtime, common)
     # Privacy wraps the protocol (as Flower's DP wrappers do); attributes pass through.
     if cfg.privacy.name == "none":
         return strategy
     return PrivacyBudgetGuard(strategy)  # type: ignore[return-value]
+
+
+def _splitfed_v2(runtime: SplitRuntime, common: dict[str, Any]) -> SplitFed:
+    """One shared trunk; optionally one step over concurrently connected clients."""
+    s = runtime.cfg.strategy
+    if s.batch_concurrent:
+        runtime.endpoint.mode = BatchingTrunk(
+            runtime.trunk, open_streams=lambda: runtime.service.open_streams,
+            timeout_s=s.barrier_timeout_s,
+        )
+    return SplitFed(**common)
+
+
+def _splitfed_v1(runtime: SplitRuntime, common: dict[str, Any]) -> SplitFed:
+    """A trunk copy per client, merged over the clients that finished."""
+    runtime.endpoint.mode = TrunkPerClient(runtime.trunk)
+    return SplitFed(merge_round=runtime.endpoint.mode.finish_round, **common)
+
+
+def _sequential(runtime: SplitRuntime, common: dict[str, Any]) -> SplitFed:
+    """Clients take turns on the shared trunk."""
+    return SequentialSplit(turn_timeout_s=runtime.cfg.strategy.round_timeout_s, **common)
+
+
+#: ``strategy.name`` -> builder of the strategy (which also sets the trunk mode).
+PROTOCOLS: dict[str, Callable[[SplitRuntime, dict[str, Any]], SplitFed]] = {
+    "splitfed_v2": _splitfed_v2,
+    "splitfed_v1": _splitfed_v1,
+    "sequential": _sequential,
+}
 
 
 class RoundReporter:

@@ -36,6 +36,10 @@ class TrunkStep:
     grad: torch.Tensor | None
     loss: float
     correct: int
+    #: Per-sample losses and hits, so a step over several clients' batches can
+    #: report each client its own numbers.
+    losses: torch.Tensor | None = None
+    hits: torch.Tensor | None = None
 
 
 class Trunk:
@@ -63,6 +67,7 @@ class Trunk:
         weight_decay: float = 0.0,
     ) -> None:
         self.model = model
+        self.hyper = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
         # SGD skips parameters whose grad is None, so stages below every cut in
         # use keep their values (and momentum buffers stay empty for them).
         self.optimizer = torch.optim.SGD(
@@ -70,6 +75,7 @@ class Trunk:
         )
         self._lock = threading.Lock()
         self.steps = 0
+        self.samples = 0
         #: Seconds spent inside training steps (the virtual clock adds them per round).
         self.busy_s = 0.0
 
@@ -86,14 +92,16 @@ class Trunk:
             started = time.perf_counter()
             self.model.train()
             logits = self._forward(cut, acts)
-            loss = nn.functional.cross_entropy(logits, labels)
+            losses = nn.functional.cross_entropy(logits, labels, reduction="none")
+            loss = losses.mean()
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
             self.steps += 1
+            self.samples += len(labels)
             self.busy_s += time.perf_counter() - started
-        correct = int((logits.argmax(dim=1) == labels).sum())
-        return TrunkStep(acts.grad, float(loss.detach()), correct)
+        hits = logits.argmax(dim=1) == labels
+        return TrunkStep(acts.grad, float(loss.detach()), int(hits.sum()), losses.detach(), hits)
 
     @torch.no_grad()
     def evaluate_batch(
@@ -106,6 +114,10 @@ class Trunk:
         loss = nn.functional.cross_entropy(logits, labels)
         correct = int((logits.argmax(dim=1) == labels).sum())
         return TrunkStep(None, float(loss), correct)
+
+    def fork(self) -> Trunk:
+        """Return an independent trunk on a copy of the model, with a fresh optimiser."""
+        return Trunk(self.snapshot(), **self.hyper)
 
     def snapshot(self) -> SplittableModel:
         """Return an independent copy of the whole server model."""

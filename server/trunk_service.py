@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from server.trunk import Trunk
+from server.trunk_modes import BatchingTrunk, SharedTrunk, TrunkPerClient
 from splitlearn.transport import (
     DEFAULT_MAX_FRAME_BYTES,
     EXCHANGE_METHOD,
@@ -32,6 +33,8 @@ from splitlearn.transport import (
 from splitlearn.wire import FrameError, check_forward_frame, decode_frame, encode_frame
 
 log = logging.getLogger(__name__)
+
+TrunkMode = SharedTrunk | TrunkPerClient | BatchingTrunk
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,8 @@ class TrunkEndpoint:
         max_batch: int = 4096,
     ) -> None:
         self.trunk = trunk
+        #: Which trunk a session trains (shared, per client, batched); see trunk_modes.
+        self.mode: TrunkMode = SharedTrunk(trunk)
         self.tokens = tokens
         self.max_frame_bytes = max_frame_bytes
         self.max_batch = max_batch
@@ -135,10 +140,11 @@ class TrunkEndpoint:
         except FrameError as err:
             return self._refuse(grant.client, str(err))
         assert labels is not None  # check_forward_frame demanded them
+        trunk = self.mode.trunk_for(grant.client)
         if frame.kind == "evaluate":
-            result = self.trunk.evaluate_batch(grant.cut, acts, labels)
+            result = trunk.evaluate_batch(grant.cut, acts, labels)
             return encode_frame("metrics", meta={"loss": result.loss, "correct": result.correct})
-        result = self.trunk.train_step(grant.cut, acts, labels)
+        result = trunk.train_step(grant.cut, acts, labels)
         return encode_frame(
             "gradient",
             {"grad": result.grad},
@@ -188,6 +194,9 @@ class TrunkService:
         max_workers: int = 32,
     ) -> None:
         self.endpoint = endpoint
+        #: Streams open right now (the batching barrier waits for this many).
+        self.open_streams = 0
+        self._streams_lock = threading.Lock()
         limit = 2 * endpoint.max_frame_bytes  # headroom: oversize gets a reasoned refusal
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="trunk"),
@@ -217,6 +226,8 @@ class TrunkService:
                 grpc.StatusCode.UNAUTHENTICATED,
                 "session token rejected: unknown, expired or revoked",
             )
+        with self._streams_lock:
+            self.open_streams += 1
         try:
             for data in requests:
                 yield self.endpoint.handle(data, token)
@@ -224,6 +235,9 @@ class TrunkService:
             # The client vanished mid-stream. Every trunk step is atomic, so
             # there is nothing to undo; its partial round is simply not replied.
             log.info("data plane: a client stream ended abruptly")
+        finally:
+            with self._streams_lock:
+                self.open_streams -= 1
 
     def start(self) -> str:
         """Start serving; return the address clients should dial."""

@@ -52,7 +52,7 @@ class ModelConfig:
 class StrategyConfig:
     """The training protocol and its optimisation settings."""
 
-    name: str = "splitfed"
+    name: str = "splitfed_v2"  # see conf/strategy/ for the protocols
     num_rounds: int = 20
     fraction_train: float = 1.0  # share of connected clients sampled per round
     min_train_nodes: int = 2
@@ -63,6 +63,8 @@ class StrategyConfig:
     momentum: float = 0.5  # 0.9 on the shared trunk stalls training under label skew
     weight_decay: float = 0.0
     round_timeout_s: float = 600.0  # Flower waits this long for replies
+    batch_concurrent: bool = False  # splitfed_v2: one trunk step over concurrent clients
+    barrier_timeout_s: float = 0.05  # longest a batch waits for the other clients' batches
 
 
 @dataclass

@@ -67,6 +67,9 @@ class SplitFed(FedAvg):
         Issues a data-plane token for (client, cut, round).
     revoke_round : Callable[[int], None]
         Revokes the tokens of a finished round.
+    merge_round : Callable[[list[str]], None], optional
+        Called with the ids of the clients that finished the round (e.g. to
+        average per-client trunk copies, SplitFed v1).
     round_deadline_s : float, optional
         Virtual seconds; a client reporting a longer ``virtual-s`` is a
         straggler and is left out of the round like a failed one.
@@ -74,12 +77,17 @@ class SplitFed(FedAvg):
         Passed to :class:`flwr.serverapp.strategy.FedAvg`.
     """
 
+    #: Message type of the training message; protocols with another client
+    #: behaviour (U-shaped, local loss) override it.
+    train_message_type = "train.split"
+
     def __init__(
         self,
         *,
         task: SplitTask,
         issue_token: IssueToken,
         revoke_round: Callable[[int], None],
+        merge_round: Callable[[list[str]], None] | None = None,
         round_deadline_s: float | None = None,
         **fedavg_kwargs: Any,
     ) -> None:
@@ -88,6 +96,7 @@ class SplitFed(FedAvg):
         self.task = task
         self.issue_token = issue_token
         self.revoke_round = revoke_round
+        self.merge_round = merge_round
         self.round_deadline_s = round_deadline_s
         #: Per round: one row per sampled client (its metrics, or its failure).
         self.client_rows: dict[int, list[dict[str, Any]]] = {}
@@ -106,7 +115,7 @@ class SplitFed(FedAvg):
         """Sample clients as FedAvg does, then give each its own data-plane session."""
         messages = super().configure_train(server_round, arrays, config, grid)
         self._round_started = time.perf_counter()
-        return [self._session_message(m, server_round, "train.split") for m in messages]
+        return [self._session_message(m, server_round, self.train_message_type) for m in messages]
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -141,6 +150,8 @@ class SplitFed(FedAvg):
             client_row(r, s) for r, s in zip(replies, statuses, strict=True)
         ]
         finished = [r for r, s in zip(replies, statuses, strict=True) if s == "ok"]
+        if self.merge_round is not None:
+            self.merge_round([str(r.metadata.src_node_id) for r in finished])
         arrays, metrics = super().aggregate_train(server_round, finished)
         if metrics is not None:
             counts = status_counts(statuses)

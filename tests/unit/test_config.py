@@ -39,7 +39,7 @@ def test_heterogeneous_scenario_is_dirichlet_half_over_ten_clients():
 
 def test_defaults_are_the_documented_experiment():
     cfg = compose_config()
-    assert (cfg.dataset.name, cfg.model.name, cfg.strategy.name) == ("digits", "cnn", "splitfed")
+    assert (cfg.dataset.name, cfg.model.name, cfg.strategy.name) == ("digits", "cnn", "splitfed_v2")
     assert cfg.num_clients == 10 and cfg.strategy.num_rounds <= 20
     assert cfg.logger.name == "wandb" and cfg.logger.mode == "auto"
 
