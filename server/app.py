@@ -228,7 +228,7 @@ def _splitfed_v2(runtime: SplitRuntime, common: dict[str, Any]) -> SplitFed:
 
 
 def _splitfed_v1(runtime: SplitRuntime, common: dict[str, Any]) -> SplitFed:
-    """A trunk copy per client, merged over the clients that finished."""
+    """Give each client a trunk copy, merged over the clients that finished."""
     runtime.endpoint.mode = TrunkPerClient(runtime.trunk)
     return SplitFed(merge_round=runtime.endpoint.mode.finish_round, **common)
 

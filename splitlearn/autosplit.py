@@ -277,7 +277,9 @@ class _Tracer(fx.Tracer):
         stack = getattr(self, "module_stack", None)
         if not stack:
             return ""
-        path, kind = next(reversed(stack.items()))
+        value = next(reversed(stack.values()))
+        # torch keeps (qualified path, module class) per entry.
+        path, kind = value if isinstance(value, tuple) else ("", value)
         name = getattr(kind, "__name__", str(kind))
         return f"{path} ({name})" if path else name
 
@@ -322,7 +324,9 @@ def _describe(node: fx.Node) -> str:
     if node.op == "call_module":
         return f"{node.name} = self.{node.target}({args})"
     if node.op == "call_function":
-        return f"{node.name} = {_op_name(node)}({args})"
+        module = getattr(node.target, "__module__", None) or ""
+        prefix = "operator." if module.lstrip("_") == "operator" else ""
+        return f"{node.name} = {prefix}{_op_name(node)}({args})"
     if node.op == "call_method":
         first, *rest = node.args or ("?",)
         return f"{node.name} = {first}.{node.target}({', '.join(map(str, rest))})"

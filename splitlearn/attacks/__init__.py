@@ -15,6 +15,7 @@ from splitlearn.attacks.label_leak import (
     cut_layer_gradients,
     direction_attack_auc,
     norm_attack_auc,
+    one_vs_rest_norm_auc,
     roc_auc,
 )
 from splitlearn.attacks.similarity import mse, ssim
@@ -28,6 +29,7 @@ __all__ = [
     "invert",
     "mse",
     "norm_attack_auc",
+    "one_vs_rest_norm_auc",
     "roc_auc",
     "ssim",
 ]

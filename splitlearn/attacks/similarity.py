@@ -43,7 +43,7 @@ def gaussian_window(size: int, sigma: float, *, dtype: torch.dtype = torch.float
 
 
 def window_size_for(height: int, width: int, window_size: int) -> int:
-    """The odd window size used for an image of ``height x width``."""
+    """Return the odd window size used for an image of ``height x width``."""
     size = min(window_size, height, width)
     return size if size % 2 == 1 else size - 1
 
