@@ -10,6 +10,8 @@ with the updated client-side weights and its metrics. The training itself is in
 
 from __future__ import annotations
 
+import time
+
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -25,6 +27,7 @@ from clients.device import (
     plan_round,
     virtual_time,
 )
+from clients.local_loss import run_local_loss_round
 from clients.train import (
     TrainReport,
     build_bottom,
@@ -32,9 +35,19 @@ from clients.train import (
     load_local_data,
     run_split_round,
 )
+from clients.ushaped import (
+    EXCHANGES_PER_BATCH,
+    EmulatedUShapedSession,
+    build_head_tail,
+    check_ushaped_memory,
+    evaluate_ushaped,
+    run_ushaped_round,
+)
+from clients.whole import run_whole_round
 from splitlearn.planning.clock import ClientTime
 from splitlearn.privacy import PrivacyAccountant, PrivacyBudgetExhausted
 from splitlearn.privacy.budget import EPSILON_METRIC
+from splitlearn.smashed_stream import SMASHED_RECORD_KEY, GrpcSmashedStream, SmashedBuffer
 from splitlearn.task import STATUS_KEY, SplitTask
 from splitlearn.transport import GrpcTrunkSession
 from splitlearn.wire import record_to_state, state_to_record
@@ -153,6 +166,123 @@ def train_split(msg: Message, context: Context) -> Message:
         metrics[EPSILON_METRIC] = accountant.epsilon(task.privacy_delta)
     content = RecordDict({"arrays": state_to_record(state), "metrics": metrics})
     return Message(content=content, reply_to=msg)
+
+
+@app.train("whole")
+def train_whole(msg: Message, context: Context) -> Message:
+    """FedAvg baseline: train the whole model on the device, no trunk."""
+    task = SplitTask.from_config(msg.content["config"])
+    partition = _partition(context)
+    plan = plan_round(task, **partition)
+    try:
+        if not plan.available:
+            raise ClientUnavailable(f"device not reachable in round {task.server_round}")
+        memory = check_memory(task, plan.profile, whole=True)
+    except (ClientUnavailable, MemoryBudgetExceeded) as declined:
+        return _decline(msg, declined, partition["partition_id"])
+    state, report = run_whole_round(task, record_to_state(msg.content["arrays"]), **partition)
+    if plan.fail_after_steps >= 0:
+        raise InjectedDropout("vanished before uploading its weights")
+    # One download and one upload of the weights: one round trip.
+    vtime = virtual_time(
+        compute_s=report.compute_s, bytes_up=report.bytes_up, bytes_down=report.bytes_down,
+        exchanges=1, profile=plan.profile, host_flops_per_s=task.host_flops_per_s,
+    )
+    metrics = _report_metrics(report, task, partition["partition_id"], vtime, memory)
+    content = RecordDict({"arrays": state_to_record(state), "metrics": metrics})
+    return Message(content=content, reply_to=msg)
+
+
+@app.train("local_loss")
+def train_local_loss(msg: Message, context: Context) -> Message:
+    """Local-loss round: train against the aux head; stream (or ship) the smashed data."""
+    task = SplitTask.from_config(msg.content["config"])
+    partition = _partition(context)
+    plan = plan_round(task, **partition)
+    try:
+        if not plan.available:
+            raise ClientUnavailable(f"device not reachable in round {task.server_round}")
+        memory = check_memory(task, plan.profile)
+    except (ClientUnavailable, MemoryBudgetExceeded) as declined:
+        return _decline(msg, declined, partition["partition_id"])
+    sink: SmashedBuffer | GrpcSmashedStream = SmashedBuffer() if task.bulk else GrpcSmashedStream(
+        task.trunk_address, task.token, max_frame_bytes=task.max_frame_bytes
+    )
+    try:
+        state, report = run_local_loss_round(
+            task, record_to_state(msg.content["arrays"]), sink,
+            on_step=_dropout_hook(plan.fail_after_steps, sink), **partition,
+        )
+    finally:
+        sink.close()
+    # Streaming is one way: frames follow each other without waiting, so the link's
+    # latency is paid once per round (the last ack), not per batch. Bulk data rides
+    # the Flower reply: no data-plane exchange at all (its bytes still count as up).
+    vtime = virtual_time(
+        compute_s=report.compute_s, bytes_up=report.bytes_up, bytes_down=report.bytes_down,
+        exchanges=0 if task.bulk else 1, profile=plan.profile,
+        host_flops_per_s=task.host_flops_per_s,
+    )
+    if task.emulate and plan.profile is not None:
+        time.sleep(max(vtime.total_s - report.wall_s, 0.0))  # no per-batch pacing: no waits
+    metrics = _report_metrics(report, task, partition["partition_id"], vtime, memory)
+    content = RecordDict({"arrays": state_to_record(state), "metrics": metrics})
+    if isinstance(sink, SmashedBuffer):
+        content[SMASHED_RECORD_KEY] = state_to_record(sink.to_arrays())
+    return Message(content=content, reply_to=msg)
+
+
+@app.train("ushaped")
+def train_ushaped_split(msg: Message, context: Context) -> Message:
+    """U-shaped round: head, tail and loss on the device; labels never leave it."""
+    task = SplitTask.from_config(msg.content["config"])
+    partition = _partition(context)
+    plan = plan_round(task, **partition)
+    try:
+        if not plan.available:
+            raise ClientUnavailable(f"device not reachable in round {task.server_round}")
+        memory = check_ushaped_memory(task, plan.profile)
+    except (ClientUnavailable, MemoryBudgetExceeded) as declined:
+        return _decline(msg, declined, partition["partition_id"])
+    session = _open_session(task)
+    paced: GrpcTrunkSession | EmulatedUShapedSession = session
+    if task.emulate and plan.profile is not None:
+        paced = EmulatedUShapedSession(
+            session, plan.profile, host_flops_per_s=task.host_flops_per_s
+        )
+    try:
+        state, report = run_ushaped_round(
+            task, record_to_state(msg.content["arrays"]), paced,
+            on_step=_dropout_hook(plan.fail_after_steps, session), **partition,
+        )
+    finally:
+        paced.close()
+    vtime = virtual_time(
+        compute_s=report.compute_s, bytes_up=report.bytes_up, bytes_down=report.bytes_down,
+        exchanges=EXCHANGES_PER_BATCH * report.steps, profile=plan.profile,
+        host_flops_per_s=task.host_flops_per_s,
+    )
+    metrics = _report_metrics(report, task, partition["partition_id"], vtime, memory)
+    content = RecordDict({"arrays": state_to_record(state), "metrics": metrics})
+    return Message(content=content, reply_to=msg)
+
+
+@app.evaluate("ushaped")
+def evaluate_ushaped_split(msg: Message, context: Context) -> Message:
+    """Evaluate head + trunk + tail on local data; the loss is computed on the device."""
+    task = SplitTask.from_config(msg.content["config"])
+    torch.set_num_threads(task.torch_threads)
+    head, tail = build_head_tail(task, record_to_state(msg.content["arrays"]))
+    data = load_local_data(task, **_partition(context))
+    session = _open_session(task)
+    try:
+        loss, accuracy, examples = evaluate_ushaped(
+            head, tail, DataLoader(data, batch_size=task.batch_size), session
+        )
+    finally:
+        session.close()
+    metrics = MetricRecord({"num-examples": examples, "eval-loss": loss, "eval-accuracy": accuracy})
+    return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
 
 
 @app.evaluate()

@@ -96,17 +96,22 @@ def plan_round(task: SplitTask, *, partition_id: int, num_partitions: int) -> De
     return DevicePlan(profile, available, task.dropout_after_steps if drops else -1)
 
 
-def check_memory(task: SplitTask, profile: DeviceProfile | None) -> int:
-    """Estimated client-side training bytes; raise if the profile cannot hold them."""
+def check_memory(task: SplitTask, profile: DeviceProfile | None, *, whole: bool = False) -> int:
+    """Estimated client-side training bytes; raise if the profile cannot hold them.
+
+    ``whole=True`` checks the whole model (the FedAvg baseline) instead of the
+    stages below the task's cut.
+    """
     spec = describe_dataset(task.dataset, image_size=task.resize_to)
     model = build_model(
         task.model, in_channels=spec.in_channels, image_size=spec.image_size,
         num_classes=spec.num_classes, **task.model_kwargs(),
     )
-    needed = client_train_memory_bytes(model, task.cut, batch_size=task.batch_size)
+    cut = model.num_stages if whole else task.cut
+    needed = client_train_memory_bytes(model, cut, batch_size=task.batch_size)
     if profile is not None and needed > profile.memory_bytes:
         raise MemoryBudgetExceeded(
-            f"cut {task.cut} at batch {task.batch_size} needs {needed / 2**20:.1f} MiB; "
+            f"cut {cut} at batch {task.batch_size} needs {needed / 2**20:.1f} MiB; "
             f"{profile.name} has {profile.memory_bytes / 2**20:.1f} MiB"
         )
     return needed

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from splitlearn.aux_head import without_aux
 from splitlearn.data import describe_dataset, load_client_data
 from splitlearn.models import build_model
 from splitlearn.privacy import PrivacyAccountant, PrivacySettings, make_client_privacy
@@ -180,7 +181,7 @@ def build_bottom(task: SplitTask, state: Mapping[str, torch.Tensor]) -> nn.Modul
         num_classes=spec.num_classes,
         **task.model_kwargs(),
     )
-    load_bottom_state(model, state)
+    load_bottom_state(model, without_aux(state))  # a local-loss aux head is not evaluated
     bottom, _ = split(model, task.cut)
     return bottom
 

@@ -16,7 +16,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from server.async_trunk import AsyncTrunkTrainer, train_smashed_batch
 from server.trunk import Trunk
 from server.trunk_modes import BatchingTrunk, TrunkPerClient
 from server.trunk_service import TokenRegistry, TrunkEndpoint, TrunkService
+from splitlearn.aux_head import without_aux
 from splitlearn.calibration import measure_host_flops_per_s
 from splitlearn.config import compose_config, to_container
 from splitlearn.data import describe_dataset, load_test_data
@@ -39,13 +41,16 @@ from splitlearn.models import SplittableModel, build_model
 from splitlearn.planning.clock import VirtualClock, round_time
 from splitlearn.planning.devices import DeviceProfile, build_fleet
 from splitlearn.privacy import PrivacySettings, with_release_at_cut
-from splitlearn.split import bottom_state, load_bottom_state
+from splitlearn.split import load_bottom_state, resolve_tail_cut
 from splitlearn.task import SplitTask
 from splitlearn.tracking import CompositeSink, make_sinks
-from splitlearn.wire import record_to_state, state_to_record
+from splitlearn.wire import record_to_state
+from strategies.fedavg import FedAvgBaseline
+from strategies.local_loss import LocalLossSplit
 from strategies.privacy import PrivacyBudgetGuard
 from strategies.sequential import SequentialSplit
 from strategies.splitfed import SplitFed
+from strategies.ushaped import UShapedSplit
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +185,9 @@ def make_task_template(
         privacy_noise_multiplier=cfg.privacy.noise_multiplier,
         privacy_delta=cfg.privacy.delta,
         privacy_epsilon_max=cfg.privacy.epsilon_max or 0.0,
+        aux_hidden=cfg.strategy.aux_hidden,
+        bulk=int(cfg.strategy.bulk),
+        tail_cut=cfg.model.tail_cut,
     )
 
 
@@ -238,11 +246,53 @@ def _sequential(runtime: SplitRuntime, common: dict[str, Any]) -> SplitFed:
     return SequentialSplit(turn_timeout_s=runtime.cfg.strategy.round_timeout_s, **common)
 
 
+def _fedavg(runtime: SplitRuntime, common: dict[str, Any]) -> SplitFed:
+    """Whole-model FedAvg baseline (the trunk service idles)."""
+    return FedAvgBaseline(**common)
+
+
+def _local_loss(runtime: SplitRuntime, common: dict[str, Any]) -> SplitFed:
+    """Clients train against an aux head; the trunk trains on their smashed data apart."""
+    cfg = runtime.cfg
+    s = cfg.strategy
+    if cfg.privacy.name != "none":
+        raise ValueError(f"strategy=local_loss does not support privacy={cfg.privacy.name!r} yet")
+    if s.bulk:  # smashed data arrives in the replies; the strategy trains the trunk
+        def train_batch(client: str, cut: int, acts: torch.Tensor, labels: torch.Tensor) -> None:
+            train_smashed_batch(runtime.endpoint, client, cut, acts, labels)
+
+        return LocalLossSplit(aux_hidden=s.aux_hidden, train_batch=train_batch, **common)
+    trainer = AsyncTrunkTrainer(max_queue=s.queue_batches, drain_timeout_s=s.round_timeout_s)
+    runtime.endpoint.smashed = trainer
+    return LocalLossSplit(aux_hidden=s.aux_hidden, merge_round=trainer.finish_round, **common)
+
+
+def _ushaped(runtime: SplitRuntime, common: dict[str, Any]) -> SplitFed:
+    """Head, tail and loss on the device; the shared trunk runs the stages between."""
+    cfg = runtime.cfg
+    if cfg.privacy.name != "none":
+        raise ValueError(f"strategy=ushaped does not support privacy={cfg.privacy.name!r} yet")
+    tail_cut = resolve_tail_cut(runtime.model, cfg.model.cut, cfg.model.tail_cut)
+
+    def issue(client: str, cut: int, server_round: int) -> str:
+        # A grant with a tail cut makes the trunk treat the session as U-shaped.
+        return runtime.tokens.issue(
+            client=client, cut=cut, server_round=server_round,
+            ttl_s=cfg.dataplane.token_ttl_s, tail_cut=tail_cut,
+        )
+
+    task = replace(common["task"], tail_cut=tail_cut)
+    return UShapedSplit(**(common | {"task": task, "issue_token": issue}))
+
+
 #: ``strategy.name`` -> builder of the strategy (which also sets the trunk mode).
 PROTOCOLS: dict[str, Callable[[SplitRuntime, dict[str, Any]], SplitFed]] = {
+    "fedavg": _fedavg,
     "splitfed_v2": _splitfed_v2,
     "splitfed_v1": _splitfed_v1,
     "sequential": _sequential,
+    "local_loss": _local_loss,
+    "ushaped": _ushaped,
 }
 
 
@@ -277,7 +327,8 @@ class RoundReporter:
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Evaluate and log ``server_round``; return the test metrics."""
         model = self.runtime.trunk.snapshot()
-        load_bottom_state(model, record_to_state(arrays))
+        # Protocol extras (the local-loss aux head) are not part of the evaluated model.
+        load_bottom_state(model, without_aux(record_to_state(arrays)))
         deployed = with_release_at_cut(  # the trunk only ever sees released rows
             model, cut=self.runtime.cfg.model.cut,
             settings=PrivacySettings.from_config(self.runtime.cfg.privacy),
@@ -354,7 +405,7 @@ def run_training(grid: Grid, runtime: SplitRuntime) -> list[dict[str, float]]:
     cfg = runtime.cfg
     strategy = make_strategy(runtime)
     reporter = RoundReporter(runtime, strategy)
-    initial = state_to_record(bottom_state(runtime.model, cfg.model.cut))
+    initial = strategy.initial_arrays(runtime.model)
     try:
         strategy.start(
             grid=grid,

@@ -17,20 +17,29 @@ import secrets
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
 
+from server.async_trunk import AsyncTrunkTrainer, QueueFull
 from server.trunk import Trunk
 from server.trunk_modes import BatchingTrunk, SharedTrunk, TrunkPerClient
+from server.trunk_ushaped import UShapedTrunk
 from splitlearn.transport import (
     DEFAULT_MAX_FRAME_BYTES,
     EXCHANGE_METHOD,
     TOKEN_METADATA_KEY,
     InProcessTrunkSession,
 )
-from splitlearn.wire import FrameError, check_forward_frame, decode_frame, encode_frame
+from splitlearn.wire import (
+    Frame,
+    FrameError,
+    check_forward_frame,
+    decode_frame,
+    encode_frame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +60,16 @@ class SessionGrant:
         Round the token belongs to; tokens are revoked when it ends.
     expires_at : float
         ``time.monotonic()`` deadline.
+    tail_cut : int | None
+        U-shaped sessions only: the trunk runs stages ``[cut, tail_cut)`` and
+        the device keeps the rest and the loss (frames carry no labels).
     """
 
     client: str
     cut: int
     server_round: int
     expires_at: float
+    tail_cut: int | None = None
 
 
 class TokenRegistry:
@@ -65,11 +78,19 @@ class TokenRegistry:
     def __init__(self) -> None:
         self._grants: dict[str, SessionGrant] = {}
         self._lock = threading.Lock()
+        #: Called with the revoked tokens (to drop per-session state such as graphs).
+        self._revoke_listeners: list[Callable[[list[str]], None]] = []
 
-    def issue(self, *, client: str, cut: int, server_round: int, ttl_s: float) -> str:
-        """Return a fresh random token for ``client`` valid for ``ttl_s`` seconds."""
+    def issue(
+        self, *, client: str, cut: int, server_round: int, ttl_s: float,
+        tail_cut: int | None = None,
+    ) -> str:
+        """Return a fresh random token for ``client`` valid for ``ttl_s`` seconds.
+
+        ``tail_cut`` makes the session U-shaped (see :mod:`server.trunk_ushaped`).
+        """
         token = secrets.token_urlsafe(24)
-        grant = SessionGrant(client, cut, server_round, time.monotonic() + ttl_s)
+        grant = SessionGrant(client, cut, server_round, time.monotonic() + ttl_s, tail_cut)
         with self._lock:
             self._grants[token] = grant
         return token
@@ -85,9 +106,18 @@ class TokenRegistry:
     def revoke_round(self, server_round: int) -> None:
         """Invalidate every token of ``server_round`` (and any older one)."""
         with self._lock:
+            revoked = [t for t, g in self._grants.items() if g.server_round <= server_round]
             self._grants = {
                 t: g for t, g in self._grants.items() if g.server_round > server_round
             }
+            listeners = list(self._revoke_listeners)
+        for listener in listeners:
+            listener(revoked)
+
+    def on_revoke(self, listener: Callable[[list[str]], None]) -> None:
+        """Call ``listener`` with the tokens each :meth:`revoke_round` invalidates."""
+        with self._lock:
+            self._revoke_listeners.append(listener)
 
 
 class TrunkEndpoint:
@@ -121,6 +151,11 @@ class TrunkEndpoint:
         self.max_batch = max_batch
         self.rejected: Counter[str] = Counter()
         self._num_classes = trunk.model.num_classes
+        #: Set by the local_loss protocol: ``smashed`` frames are queued on it.
+        self.smashed: AsyncTrunkTrainer | None = None
+        #: U-shaped sessions (grant with a ``tail_cut``): their pending graphs.
+        self.ushaped = UShapedTrunk(max_batch=max_batch)
+        tokens.on_revoke(self.ushaped.drop)
 
     def handle(self, data: bytes, token: str | None) -> bytes:
         """Answer one request frame with a ``gradient``, ``metrics`` or ``error`` frame."""
@@ -129,6 +164,13 @@ class TrunkEndpoint:
             return self._refuse("?", "session token rejected: unknown, expired or revoked")
         try:
             frame = decode_frame(data, max_bytes=self.max_frame_bytes)
+            if grant.tail_cut is not None:  # U-shaped: labels never reach the server
+                return self.ushaped.handle(
+                    frame, session=str(token), cut=grant.cut, tail_cut=grant.tail_cut,
+                    trunk=self.mode.trunk_for(grant.client),
+                )
+            if frame.kind == "smashed" and self.smashed is not None:
+                return self._queue_smashed(grant, frame, self.smashed)
             if frame.kind not in ("forward", "evaluate"):
                 raise FrameError(f"clients may send 'forward' or 'evaluate', not {frame.kind!r}")
             acts, labels = check_forward_frame(
@@ -151,6 +193,25 @@ class TrunkEndpoint:
             {"loss": result.loss, "correct": result.correct},
         )
 
+    def _queue_smashed(
+        self, grant: SessionGrant, frame: Frame, trainer: AsyncTrunkTrainer
+    ) -> bytes:
+        """Validate a ``smashed`` frame like ``forward``, queue it, ``ack`` at once."""
+        acts, labels = check_forward_frame(  # a FrameError reaches handle's refusal
+            frame,
+            cut_shape=self.trunk.model.cut_shape(grant.cut),
+            num_classes=self._num_classes,
+            max_batch=self.max_batch,
+        )
+        assert labels is not None
+        try:
+            queued = trainer.submit(
+                grant.client, self.mode.trunk_for(grant.client), grant.cut, acts, labels
+            )
+        except QueueFull as err:
+            return self._refuse(grant.client, str(err))
+        return encode_frame("ack", meta={"queued": queued})
+
     def _refuse(self, client: str, reason: str) -> bytes:
         self.rejected[client] += 1
         log.warning("data plane: refused a frame from client %s: %s", client, reason)
@@ -159,8 +220,14 @@ class TrunkEndpoint:
     def local_session(self, token: str) -> InProcessTrunkSession:
         """Open an in-process session: same frames and checks, no network."""
         return InProcessTrunkSession(
-            lambda data: self.handle(data, token), max_frame_bytes=self.max_frame_bytes
+            lambda data: self.handle(data, token), max_frame_bytes=self.max_frame_bytes,
+            on_close=lambda: self.end_session(token),
         )
+
+    def end_session(self, token: str | None) -> None:
+        """Drop what the trunk keeps for a session whose stream ended."""
+        if token:
+            self.ushaped.drop([token])
 
 
 class TrunkService:
@@ -236,6 +303,7 @@ class TrunkService:
             # there is nothing to undo; its partial round is simply not replied.
             log.info("data plane: a client stream ended abruptly")
         finally:
+            self.endpoint.end_session(token)  # e.g. a U-shaped graph whose backward never came
             with self._streams_lock:
                 self.open_streams -= 1
 

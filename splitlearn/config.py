@@ -45,6 +45,9 @@ class ModelConfig:
 
     name: str = "cnn"  # cnn | resnet
     cut: int = 1  # stages [0, cut) run on the client
+    # strategy=ushaped only: the client also keeps stages [tail_cut, num_stages) and the
+    # loss, so labels stay on the device; 0 = the last stage only. cut < tail_cut.
+    tail_cut: int = 0
     options: dict[str, Any] = field(default_factory=dict)  # model-specific keywords
 
 
@@ -65,6 +68,10 @@ class StrategyConfig:
     round_timeout_s: float = 600.0  # Flower waits this long for replies
     batch_concurrent: bool = False  # splitfed_v2: one trunk step over concurrent clients
     barrier_timeout_s: float = 0.05  # longest a batch waits for the other clients' batches
+    # local_loss only:
+    bulk: bool = False  # ship a round's smashed data in the Flower reply (no data plane)
+    aux_hidden: int = 0  # auxiliary head: 0 = one linear layer, else an MLP this wide
+    queue_batches: int = 256  # smashed batches the trunk may hold before back-pressure
 
 
 @dataclass

@@ -12,7 +12,7 @@ keys are renumbered from 0 (``i - cut``) and are not cut-independent.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from torch import Tensor, nn
 
@@ -111,6 +111,79 @@ def load_bottom_state(model: SplittableModel, state: Mapping[str, Tensor]) -> No
         _check_stage_state(index, model.stages[index], sub)
     for index, sub in grouped.items():
         model.stages[index].load_state_dict(sub, strict=True)
+
+
+def resolve_tail_cut(model: SplittableModel, cut: int, tail_cut: int) -> int:
+    """Return the U-shaped tail cut: the client keeps stages ``[tail_cut, num_stages)``.
+
+    Parameters
+    ----------
+    model : SplittableModel
+        The model.
+    cut : int
+        A valid cut: the client's head is stages ``[0, cut)``.
+    tail_cut : int
+        First stage of the client's tail; 0 means the last stage only
+        (``num_stages - 1``).
+
+    Returns
+    -------
+    int
+        The tail cut, with ``cut < tail_cut < num_stages``.
+
+    Raises
+    ------
+    ValueError
+        If the pair leaves the trunk no stage or the client no tail; the
+        message names both cuts and the accepted range.
+    """
+    cut = model.check_cut(cut)
+    resolved = tail_cut or model.num_stages - 1
+    if isinstance(tail_cut, bool) or not cut < resolved < model.num_stages:
+        raise ValueError(
+            f"invalid U-shaped cuts: cut={cut}, tail_cut={tail_cut!r}; need "
+            f"cut < tail_cut < {model.num_stages} (0 = {model.num_stages - 1}, the last stage)"
+        )
+    return resolved
+
+
+def split_u(
+    model: SplittableModel, cut: int, tail_cut: int
+) -> tuple[nn.Sequential, nn.Sequential, nn.Sequential]:
+    """Split ``model`` into ``(head, trunk, tail)`` for U-shaped split learning.
+
+    The head (stages ``[0, cut)``) and the tail (``[tail_cut, num_stages)``)
+    stay on the device with the labels; the trunk (``[cut, tail_cut)``) runs on
+    the server. Like :func:`split`, the parts share the model's modules.
+    ``tail_cut`` 0 means the last stage only (see :func:`resolve_tail_cut`).
+    """
+    tail_cut = resolve_tail_cut(model, cut, tail_cut)
+    stages = list(model.stages)
+    return (
+        nn.Sequential(*stages[:cut]),
+        nn.Sequential(*stages[cut:tail_cut]),
+        nn.Sequential(*stages[tail_cut:]),
+    )
+
+
+def stages_state(model: SplittableModel, indices: Iterable[int]) -> dict[str, Tensor]:
+    """Return detached copies of whole stages' state, keyed ``"<stage index>.<name>"``.
+
+    The keys are those of :func:`bottom_state`, so any set of whole stages (a
+    U-shaped client's head and tail) loads back with :func:`load_bottom_state`
+    and is averaged per key like a bottom.
+    """
+    return {
+        f"{index}.{key}": value.detach().clone()
+        for index in indices
+        for key, value in model.stages[index].state_dict().items()
+    }
+
+
+def ushaped_state(model: SplittableModel, cut: int, tail_cut: int) -> dict[str, Tensor]:
+    """Client-side state of a U-shaped split: head ``[0, cut)`` plus tail ``[tail_cut, n)``."""
+    tail_cut = resolve_tail_cut(model, cut, tail_cut)
+    return stages_state(model, [*range(cut), *range(tail_cut, model.num_stages)])
 
 
 def _group_by_stage(

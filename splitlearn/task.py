@@ -86,6 +86,15 @@ class SplitTask:
         The delta epsilon is reported at.
     privacy_epsilon_max : float
         Per-client epsilon budget; 0 or less for none.
+    tail_cut : int
+        U-shaped protocol only: the client also keeps stages
+        ``[tail_cut, num_stages)`` and the loss; 0 = the last stage only.
+    aux_hidden : int
+        Local-loss protocol only: hidden units of the auxiliary head; 0 = one
+        linear layer on the flattened activations.
+    bulk : int
+        Local-loss protocol only: 1 ships the round's smashed data in the
+        Flower reply instead of streaming it to the trunk.
     """
 
     server_round: int
@@ -119,6 +128,9 @@ class SplitTask:
     privacy_noise_multiplier: float = 0.0
     privacy_delta: float = 1e-5
     privacy_epsilon_max: float = 0.0
+    tail_cut: int = 0
+    aux_hidden: int = 0
+    bulk: int = 0
 
     def to_config(self) -> dict[str, int | float | str]:
         """Flatten into ConfigRecord-compatible values (keys use dashes)."""

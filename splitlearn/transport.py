@@ -96,6 +96,70 @@ class _FrameSession:
         """Send one batch for loss/accuracy only; the trunk does not update."""
         return self._send("evaluate", activations, labels)
 
+    # U-shaped protocol: nothing label-derived is ever put in a frame.
+
+    def forward_features(self, activations: torch.Tensor) -> torch.Tensor:
+        """U-shaped: send activations at the cut (no labels); return the trunk's features.
+
+        The trunk keeps this batch's graph until :meth:`backward_features`.
+        """
+        expect = ("features", "features")
+        return self._send_tensors("forward", "activations", activations, expect)
+
+    def backward_features(self, grad: torch.Tensor) -> torch.Tensor:
+        """U-shaped: send d loss / d features; return the gradient at the cut.
+
+        The trunk backpropagates through the pending graph and steps its stages.
+        """
+        return self._send_tensors("backward", "grad", grad, ("gradient", "grad"))
+
+    def evaluate_features(self, activations: torch.Tensor) -> torch.Tensor:
+        """U-shaped: the trunk's features for one batch, without a graph or an update."""
+        expect = ("features", "features")
+        return self._send_tensors("evaluate", "activations", activations, expect)
+
+    def _send_tensors(
+        self, kind: str, name: str, tensor: torch.Tensor, expect: tuple[str, str]
+    ) -> torch.Tensor:
+        """Send one tensor; return the tensor named ``expect[1]`` of an ``expect[0]`` reply."""
+        data = encode_frame(kind, {name: tensor})
+        self.bytes_up += len(data)
+        reply = self._round_trip(data)
+        self.bytes_down += len(reply)
+        frame = decode_frame(reply, max_bytes=self.max_frame_bytes)
+        if frame.kind == "error":
+            raise TrunkRejected(error_reason(frame))
+        reply_kind, reply_name = expect
+        if frame.kind != reply_kind or reply_name not in frame.tensors:
+            raise TrunkRejected(
+                f"unexpected reply of kind {frame.kind!r} carrying {sorted(frame.tensors)}; "
+                f"expected {reply_kind!r} with {reply_name!r}"
+            )
+        return frame.tensors[reply_name]
+
+
+class UShapedSession(Protocol):
+    """A U-shaped client's connection to the trunk: two exchanges per batch, no labels."""
+
+    bytes_up: int
+    bytes_down: int
+
+    def forward_features(self, activations: torch.Tensor) -> torch.Tensor:
+        """Send activations at the cut; return the trunk's output at the tail cut."""
+        ...
+
+    def backward_features(self, grad: torch.Tensor) -> torch.Tensor:
+        """Send the gradient w.r.t. the features; return the gradient at the cut."""
+        ...
+
+    def evaluate_features(self, activations: torch.Tensor) -> torch.Tensor:
+        """Return the trunk's output for one batch, without an update."""
+        ...
+
+    def close(self) -> None:
+        """End the session."""
+        ...
+
 
 def _to_reply(frame: Frame) -> TrunkReply:
     if frame.kind == "error":
@@ -118,19 +182,29 @@ class InProcessTrunkSession(_FrameSession):
         Takes a request frame, returns the reply frame (the trunk side).
     max_frame_bytes : int
         Largest reply accepted.
+    on_close : Callable[[], None], optional
+        Called by :meth:`close`, as the end of a gRPC stream would be noticed
+        by the trunk (it drops per-session state such as a pending U-shaped graph).
     """
 
     def __init__(
-        self, handle: Callable[[bytes], bytes], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+        self,
+        handle: Callable[[bytes], bytes],
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(max_frame_bytes=max_frame_bytes)
         self._handle = handle
+        self._on_close = on_close
 
     def _round_trip(self, data: bytes) -> bytes:
         return self._handle(data)
 
     def close(self) -> None:
-        """Nothing to release."""
+        """Tell the trunk side the session ended (if it asked to know)."""
+        if self._on_close is not None:
+            self._on_close()
 
 
 _END = object()

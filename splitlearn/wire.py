@@ -31,6 +31,15 @@ MAX_HEADER_BYTES = 64 * 1024
 #: ``evaluate`` asks for loss/accuracy without an update; ``error`` refuses a
 #: frame and names why.
 KINDS = ("forward", "gradient", "evaluate", "metrics", "error")
+#: Local-loss protocol: ``smashed`` goes client -> trunk one way (activations and
+#: labels, validated like ``forward``, trained asynchronously); ``ack`` says it
+#: was queued (no gradient comes back).
+KINDS = (*KINDS, "smashed", "ack")
+#: U-shaped protocol (labels stay on the device): ``forward``/``evaluate`` carry
+#: activations only; the trunk answers ``features`` (its output at the tail cut);
+#: ``backward`` goes client -> trunk with the gradient w.r.t. those features and
+#: is answered by ``gradient`` (the gradient at the cut, nothing else).
+KINDS = (*KINDS, "features", "backward")
 
 #: dtypes a frame may carry; anything else is refused before any allocation.
 DTYPES: Mapping[str, torch.dtype] = {
@@ -248,6 +257,59 @@ def check_forward_frame(
     if batch and (labels.min() < 0 or labels.max() >= num_classes):
         raise FrameError(f"labels outside [0, {num_classes})")
     return acts.float(), labels
+
+
+def check_label_free(frame: Frame, *, allowed: Sequence[str]) -> None:
+    """Refuse a U-shaped frame carrying any tensor besides ``allowed`` (labels above all).
+
+    Raises
+    ------
+    FrameError
+        Naming the unexpected tensors and the accepted ones.
+    """
+    extra = sorted(set(frame.tensors) - set(allowed))
+    if extra:
+        raise FrameError(
+            f"U-shaped sessions keep labels on the device: {frame.kind!r} frame carries "
+            f"{extra}; accepted: {list(allowed)}"
+        )
+
+
+def check_backward_frame(frame: Frame, *, features_shape: Sequence[int]) -> torch.Tensor:
+    """Validate a U-shaped ``backward`` frame against the session's pending features.
+
+    Parameters
+    ----------
+    frame : Frame
+        A decoded ``backward`` frame.
+    features_shape : Sequence[int]
+        Full shape (batch included) of the features the trunk sent for the
+        pending forward; the gradient must have exactly that shape.
+
+    Returns
+    -------
+    torch.Tensor
+        The gradient w.r.t. the features, float32.
+
+    Raises
+    ------
+    FrameError
+        Naming the first violated rule.
+    """
+    check_label_free(frame, allowed=("grad",))
+    grad = frame.tensors.get("grad")
+    if grad is None:
+        raise FrameError("backward frame carries no 'grad' tensor")
+    if not grad.is_floating_point():
+        raise FrameError(f"grad has dtype {grad.dtype}; expected a float dtype")
+    if tuple(grad.shape) != tuple(features_shape):
+        raise FrameError(
+            f"grad has shape {tuple(grad.shape)}; expected {tuple(features_shape)}, "
+            "the shape of the pending features"
+        )
+    if not torch.isfinite(grad).all():
+        raise FrameError("grad contains NaN or infinite values")
+    return grad.float()
 
 
 def error_reason(frame: Frame) -> str:

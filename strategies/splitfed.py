@@ -22,7 +22,10 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from splitlearn.models import SplittableModel
+from splitlearn.split import bottom_state
 from splitlearn.task import SplitTask
+from splitlearn.wire import state_to_record
 from strategies.failures import FAILURE_KINDS, client_row, reply_status, status_counts
 
 #: Issues a token: (client id, cut, round) -> token.
@@ -103,6 +106,10 @@ class SplitFed(FedAvg):
         #: Per round: the aggregated training metrics.
         self.train_metrics: dict[int, MetricRecord] = {}
         self._round_started = 0.0
+
+    def initial_arrays(self, model: SplittableModel) -> ArrayRecord:
+        """Client-side weights that round 1 starts from (the stages below the cut)."""
+        return state_to_record(bottom_state(model, self.task.cut))
 
     def summary(self) -> None:
         """Log the FedAvg settings plus the split settings."""

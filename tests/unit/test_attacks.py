@@ -1,0 +1,183 @@
+"""Attack metrics against slow reference formulas; attacks on synthetic data."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import roc_auc_score
+from torch import nn
+
+from splitlearn.attacks import (
+    cut_layer_gradients,
+    direction_attack_auc,
+    distance_correlation,
+    invert,
+    mse,
+    norm_attack_auc,
+    one_vs_rest_norm_auc,
+    roc_auc,
+    ssim,
+)
+from splitlearn.attacks.similarity import K1, K2, gaussian_window, window_size_for
+
+# --- SSIM ------------------------------------------------------------------------------------
+
+
+def slow_ssim(x: np.ndarray, y: np.ndarray, *, window_size=11, sigma=1.5, data_range=1.0):
+    """Wang et al.'s SSIM for one grey image, one window position at a time."""
+    size = window_size_for(*x.shape, window_size)
+    w = gaussian_window(size, sigma).numpy()
+    c1, c2 = (K1 * data_range) ** 2, (K2 * data_range) ** 2
+    values = []
+    for i in range(x.shape[0] - size + 1):
+        for j in range(x.shape[1] - size + 1):
+            px, py = x[i:i + size, j:j + size], y[i:i + size, j:j + size]
+            mx, my = (w * px).sum(), (w * py).sum()
+            vx, vy = (w * (px - mx) ** 2).sum(), (w * (py - my) ** 2).sum()
+            cov = (w * (px - mx) * (py - my)).sum()
+            values.append(((2 * mx * my + c1) * (2 * cov + c2))
+                          / ((mx**2 + my**2 + c1) * (vx + vy + c2)))
+    return float(np.mean(values))
+
+
+def images(n, size=8, seed=0):
+    return torch.rand(n, 1, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def test_ssim_of_identical_images_is_one():
+    x = images(5)
+    torch.testing.assert_close(ssim(x, x), torch.ones(5))
+    torch.testing.assert_close(ssim(images(2, 16), images(2, 16)), torch.ones(2))
+
+
+@pytest.mark.parametrize("size", [8, 16])
+def test_ssim_matches_the_per_window_reference(size):
+    x = images(3, size, seed=1)
+    y = (x + 0.2 * images(3, size, seed=2)).clamp(0, 1)
+    expected = [slow_ssim(a[0].numpy().astype(np.float64), b[0].numpy().astype(np.float64))
+                for a, b in zip(x, y, strict=True)]
+    np.testing.assert_allclose(ssim(x, y).numpy(), expected, rtol=1e-5)
+
+
+def test_ssim_falls_with_noise_and_is_symmetric():
+    x = images(4)
+    noisy = [(x + s * torch.randn(x.shape, generator=torch.Generator().manual_seed(3))).clamp(0, 1)
+             for s in (0.05, 0.2, 0.5)]
+    scores = [float(ssim(x, n).mean()) for n in noisy]
+    assert 1 > scores[0] > scores[1] > scores[2]
+    torch.testing.assert_close(ssim(x, noisy[1]), ssim(noisy[1], x))
+
+
+def test_mse_per_image():
+    x = torch.zeros(2, 1, 2, 2)
+    y = torch.tensor([[[[1.0, 1.0], [1.0, 1.0]]], [[[2.0, 0.0], [0.0, 0.0]]]])
+    torch.testing.assert_close(mse(x, y), torch.tensor([1.0, 1.0]))
+
+
+# --- distance correlation ---------------------------------------------------------------------
+
+
+def slow_dcor(x: np.ndarray, y: np.ndarray) -> float:
+    """Székely et al. (2007), with explicit O(n^2) loops."""
+    n = len(x)
+
+    def centred(z):
+        d = [[float(np.linalg.norm(z[i] - z[j])) for j in range(n)] for i in range(n)]
+        row = [sum(d[i]) / n for i in range(n)]
+        col = [sum(d[i][j] for i in range(n)) / n for j in range(n)]
+        grand = sum(row) / n
+        return [[d[i][j] - row[i] - col[j] + grand for j in range(n)] for i in range(n)]
+
+    a, b = centred(x), centred(y)
+    dcov = sum(a[i][j] * b[i][j] for i in range(n) for j in range(n)) / n**2
+    vx = sum(a[i][j] ** 2 for i in range(n) for j in range(n)) / n**2
+    vy = sum(b[i][j] ** 2 for i in range(n) for j in range(n)) / n**2
+    return math.sqrt(max(dcov, 0.0) / math.sqrt(vx * vy))
+
+
+def test_distance_correlation_matches_the_slow_formula():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(25, 3, 2, generator=g)
+    y = torch.tanh(x.flatten(1) @ torch.randn(6, 4, generator=g))
+    y = y + 0.3 * torch.randn(25, 4, generator=g)
+    expected = slow_dcor(x.flatten(1).double().numpy(), y.double().numpy())
+    assert distance_correlation(x, y) == pytest.approx(expected, rel=1e-9)
+
+
+def test_distance_correlation_extremes():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 5, generator=g)
+    assert distance_correlation(x, 3 * x + 1) == pytest.approx(1.0, abs=1e-9)
+    # The sample statistic is biased upwards for independent data (~0.24 here).
+    assert distance_correlation(x, torch.randn(300, 5, generator=g)) < 0.3
+    assert distance_correlation(x, torch.ones(300, 2)) == 0.0
+
+
+# --- label leakage ----------------------------------------------------------------------------
+
+
+def test_roc_auc_matches_sklearn_with_ties():
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 5, 200).astype(float)  # many ties
+    positives = rng.random(200) < 0.3
+    assert roc_auc(torch.tensor(scores), torch.tensor(positives)) == pytest.approx(
+        roc_auc_score(positives, scores), rel=1e-12
+    )
+
+
+def test_norm_attack_on_synthetic_gradients():
+    g = torch.Generator().manual_seed(0)
+    positives = torch.rand(400, generator=g) < 0.1  # rare positive class, as in Li et al.
+    grads = torch.randn(400, 16, generator=g)
+    grads[positives] *= 3.0  # the model is less sure about the rare class
+    assert norm_attack_auc(grads, positives) > 0.95
+    same = torch.randn(400, 16, generator=g)
+    assert abs(norm_attack_auc(same, positives) - 0.5) < 0.1
+
+
+def test_direction_attack_on_synthetic_gradients():
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 4, (400,), generator=g)
+    directions = torch.randn(4, 32, generator=g)
+    grads = directions[labels] + 0.5 * torch.randn(400, 32, generator=g)
+    assert direction_attack_auc(grads, labels, generator=g) > 0.95
+    # Norms alone say nothing here: every class has the same norm distribution.
+    assert abs(one_vs_rest_norm_auc(grads / grads.norm(dim=1, keepdim=True), labels) - 0.5) < 0.05
+    assert abs(direction_attack_auc(torch.randn(400, 32, generator=g), labels, generator=g)
+               - 0.5) < 0.1
+
+
+def test_cut_layer_gradients_are_the_trunks_mean_loss_gradient():
+    trunk = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
+    released = torch.randn(5, 3, 2, 2)
+    labels = torch.tensor([0, 1, 2, 1, 0])
+    grads = cut_layer_gradients(trunk, released, labels)
+    for i in range(5):  # sample i's own loss gradient, divided by the batch size
+        a = released[i:i + 1].clone().requires_grad_(True)
+        nn.functional.cross_entropy(trunk(a), labels[i:i + 1]).backward()
+        torch.testing.assert_close(grads[i:i + 1], a.grad / 5)
+
+
+# --- inversion --------------------------------------------------------------------------------
+
+
+def test_inversion_reconstructs_through_an_invertible_release_and_fails_through_noise():
+    g = torch.Generator().manual_seed(0)
+    data = (images(400, 4, seed=5) > 0.5).float()  # 4x4 binary images
+    aux, targets = data[:300], data[300:]
+    mixing = torch.randn(16, 32, generator=g)
+
+    def clean(x):
+        return x.flatten(1) @ mixing
+
+    def noisy(x):
+        return clean(x) + 30.0 * torch.randn(len(x), 32, generator=g)
+
+    good = invert(clean, aux_inputs=aux, targets=targets, epochs=60, generator=g)
+    bad = invert(noisy, aux_inputs=aux, targets=targets, epochs=60, generator=g)
+    assert good.ssim > 0.8 and good.mse < 0.05
+    assert bad.ssim < good.ssim - 0.4 and bad.mse > 4 * good.mse
+    assert good.reconstructions.shape == targets.shape
