@@ -135,7 +135,7 @@ def attack(
     *,
     which: Sequence[str] = ("inversion", "dcor", "label_leak"),
     data: AttackData | None = None,
-    decoder_epochs: int = 100,
+    decoder_epochs: int = 60,
 ) -> dict[str, float | str]:
     """Train with ``cfg``, run the chosen attacks; return one table row.
 

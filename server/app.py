@@ -221,6 +221,11 @@ def make_strategy(runtime: SplitRuntime) -> SplitFed:
     # Privacy wraps the protocol (as Flower's DP wrappers do); attributes pass through.
     if cfg.privacy.name == "none":
         return strategy
+    if strategy.train_message_type != "train.split":  # only the split client loop applies it
+        raise ValueError(
+            f"privacy={cfg.privacy.name!r} applies to protocols whose clients run the split "
+            f"training loop (splitfed_v2, splitfed_v1, sequential), not strategy={s.name!r}"
+        )
     return PrivacyBudgetGuard(strategy)  # type: ignore[return-value]
 
 

@@ -158,7 +158,7 @@ class TrunkEndpoint:
         tokens.on_revoke(self.ushaped.drop)
 
     def handle(self, data: bytes, token: str | None) -> bytes:
-        """Answer one request frame with a ``gradient``, ``metrics`` or ``error`` frame."""
+        """Answer one request frame with a ``gradient``, ``metrics``, ``ack`` or ``error`` frame."""
         grant = self.tokens.lookup(token)
         if grant is None:
             return self._refuse("?", "session token rejected: unknown, expired or revoked")

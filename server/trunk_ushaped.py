@@ -20,13 +20,13 @@ are dropped when their session ends or its round's tokens are revoked.
 
 Concurrency. The trunk's step is atomic under its lock, as in
 :meth:`server.trunk.Trunk.train_step`, but here forward and step are two frames
-apart, and another session may step the shared trunk (or update batch-norm
-statistics) in between. The pending graph then holds tensors that changed in
-place, so the step recomputes the forward on the current weights from the
-kept activations (batch-norm statistics restored, so they move once per
-batch) and applies the device's gradient there: the usual bounded staleness
-of asynchronous split learning. With one session at a time, nothing changes in
-between and the kept graph is used as is: exactly whole-model SGD.
+apart, and another session may step the shared trunk in between. The pending
+graph then holds weights that changed in place, so the step recomputes the
+forward on the current weights from the kept activations (batch-norm
+statistics restored, so they move once per batch) and applies the device's
+gradient there: the usual bounded staleness of asynchronous split learning.
+With one session at a time nothing changes in between and the kept graph is
+used as is: exactly whole-model SGD.
 """
 
 from __future__ import annotations
@@ -63,16 +63,17 @@ class _Pending:
     tail_cut: int
     activations: Tensor  # leaf at the cut (requires grad)
     features: Tensor  # output at tail_cut, graph attached
-    versions: tuple[int, ...]  # in-place versions of the stages' tensors after forward
+    versions: tuple[int, ...]  # in-place versions of the stages' parameters after forward
 
 
-def _stage_tensors(trunk: Trunk, cut: int, tail_cut: int) -> list[Tensor]:
-    stages = trunk.model.stages[cut:tail_cut]
-    return [*(p for s in stages for p in s.parameters()), *(b for s in stages for b in s.buffers())]
+def _stage_params(trunk: Trunk, cut: int, tail_cut: int) -> list[Tensor]:
+    return [p for stage in trunk.model.stages[cut:tail_cut] for p in stage.parameters()]
 
 
 def _versions(tensors: Iterable[Tensor]) -> tuple[int, ...]:
-    # Autograd's own staleness test: a saved tensor changed in place bumps _version.
+    # Autograd's own staleness test: an optimiser step bumps a parameter's _version.
+    # (Batch-norm running statistics are not saved for backward, so another
+    # session's forward alone does not make a pending graph stale.)
     return tuple(t._version for t in tensors)
 
 
@@ -154,8 +155,10 @@ class UShapedTrunk:
                 f"not {frame.kind!r}"
             )
         check_label_free(frame, allowed=("activations",))
+        with trunk._lock:  # cut_shape probes the model in eval mode: not mid-forward
+            cut_shape = trunk.model.cut_shape(cut)
         acts, _ = check_forward_frame(
-            frame, cut_shape=trunk.model.cut_shape(cut), num_classes=trunk.model.num_classes,
+            frame, cut_shape=cut_shape, num_classes=trunk.model.num_classes,
             max_batch=self.max_batch, need_labels=False,
         )
         if frame.kind == "evaluate":
@@ -175,12 +178,12 @@ class UShapedTrunk:
             The features (detached) and whether a pending forward was replaced.
         """
         acts = activations.detach().requires_grad_(True)
-        tensors = _stage_tensors(trunk, cut, tail_cut)
+        params = _stage_params(trunk, cut, tail_cut)
         with trunk._lock:
             started = time.perf_counter()
             trunk.model.train()
             features = _run_stages(trunk, cut, tail_cut, acts)
-            versions = _versions(tensors)
+            versions = _versions(params)
             trunk.busy_s += time.perf_counter() - started
         pending = _Pending(trunk, cut, tail_cut, acts, features, versions)
         with self._lock:
@@ -206,11 +209,11 @@ class UShapedTrunk:
     def step(self, pending: _Pending, grad: Tensor) -> Tensor:
         """Backpropagate ``grad`` through the pending forward, step, return the cut gradient."""
         trunk, cut, tail_cut = pending.trunk, pending.cut, pending.tail_cut
-        tensors = _stage_tensors(trunk, cut, tail_cut)
+        params = _stage_params(trunk, cut, tail_cut)
         with trunk._lock:
             started = time.perf_counter()
             acts, features = pending.activations, pending.features
-            stale = _versions(tensors) != pending.versions
+            stale = _versions(params) != pending.versions
             restore: list[tuple[Tensor, Tensor]] = []
             if stale:
                 self.recomputed += 1

@@ -43,7 +43,7 @@ class PartitionerConfig:
 class ModelConfig:
     """The splittable network and where it is cut."""
 
-    name: str = "cnn"  # cnn | resnet
+    name: str = "cnn"  # cnn | resnet | a zoo network (splitlearn/models: MODELS, ZOO)
     cut: int = 1  # stages [0, cut) run on the client
     # strategy=ushaped only: the client also keeps stages [tail_cut, num_stages) and the
     # loss, so labels stay on the device; 0 = the last stage only. cut < tail_cut.

@@ -2,6 +2,9 @@
 
 A session sends ``forward`` frames (activations at the cut and labels) and
 receives ``gradient`` frames (the gradient at the cut, loss, correct count).
+A U-shaped session (labels stay on the device) instead uses
+:meth:`~_FrameSession.forward_features` / :meth:`~_FrameSession.backward_features`:
+two exchanges per batch, no labels in any frame (:mod:`server.trunk_ushaped`).
 Two transports share one interface: :class:`GrpcTrunkSession` talks to a trunk
 service over a gRPC bidirectional stream; :class:`InProcessTrunkSession` calls
 a frame handler directly, for unit tests and the "limit" benchmark. Both send

@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -307,8 +306,3 @@ def with_release_at_cut(
     )
     stages = list(model.stages)  # type: ignore[attr-defined]
     return nn.Sequential(*stages[:cut], ReleaseAtCut(mechanism), *stages[cut:])
-
-
-def epsilon_to_text(epsilon: float) -> str:
-    """Format epsilon for tables ("inf" for no guarantee)."""
-    return "inf" if math.isinf(epsilon) else f"{epsilon:.3g}"
