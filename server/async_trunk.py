@@ -219,7 +219,7 @@ def train_smashed_batch(
     frame = Frame("smashed", {"activations": activations, "labels": labels})
     try:
         acts, checked = check_forward_frame(
-            frame, cut_shape=endpoint.trunk.model.cut_shape(cut),
+            frame, cut_shape=endpoint.trunk.cut_shape(cut),
             num_classes=endpoint.trunk.model.num_classes, max_batch=endpoint.max_batch,
         )
     except ValueError:

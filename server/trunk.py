@@ -68,6 +68,9 @@ class Trunk:
     ) -> None:
         self.model = model
         self.hyper = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+        # Shapes never change; probing them per frame would run the model (in
+        # eval mode) under concurrent training steps.
+        self._cut_shapes = {cut: model.cut_shape(cut) for cut in model.valid_cuts}
         # SGD skips parameters whose grad is None, so stages below every cut in
         # use keep their values (and momentum buffers stay empty for them).
         self.optimizer = torch.optim.SGD(
@@ -78,6 +81,10 @@ class Trunk:
         self.samples = 0
         #: Seconds spent inside training steps (the virtual clock adds them per round).
         self.busy_s = 0.0
+
+    def cut_shape(self, cut: int) -> tuple[int, ...]:
+        """Per-sample shape of the activation at ``cut`` (ValueError if invalid)."""
+        return self._cut_shapes[self.model.check_cut(cut)]
 
     def _forward(self, cut: int, activations: torch.Tensor) -> torch.Tensor:
         out = activations

@@ -100,6 +100,7 @@ class BatchingTrunk:
     def __init__(self, trunk: Trunk, *, open_streams: Callable[[], int], timeout_s: float) -> None:
         self.trunk = trunk
         self.model = trunk.model
+        self.cut_shape = trunk.cut_shape
         self.open_streams = open_streams
         self.timeout_s = timeout_s
         self._pending: list[_Slot] = []

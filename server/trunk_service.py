@@ -175,7 +175,7 @@ class TrunkEndpoint:
                 raise FrameError(f"clients may send 'forward' or 'evaluate', not {frame.kind!r}")
             acts, labels = check_forward_frame(
                 frame,
-                cut_shape=self.trunk.model.cut_shape(grant.cut),
+                cut_shape=self.trunk.cut_shape(grant.cut),
                 num_classes=self._num_classes,
                 max_batch=self.max_batch,
             )
@@ -199,7 +199,7 @@ class TrunkEndpoint:
         """Validate a ``smashed`` frame like ``forward``, queue it, ``ack`` at once."""
         acts, labels = check_forward_frame(  # a FrameError reaches handle's refusal
             frame,
-            cut_shape=self.trunk.model.cut_shape(grant.cut),
+            cut_shape=self.trunk.cut_shape(grant.cut),
             num_classes=self._num_classes,
             max_batch=self.max_batch,
         )

@@ -155,10 +155,8 @@ class UShapedTrunk:
                 f"not {frame.kind!r}"
             )
         check_label_free(frame, allowed=("activations",))
-        with trunk._lock:  # cut_shape probes the model in eval mode: not mid-forward
-            cut_shape = trunk.model.cut_shape(cut)
         acts, _ = check_forward_frame(
-            frame, cut_shape=cut_shape, num_classes=trunk.model.num_classes,
+            frame, cut_shape=trunk.cut_shape(cut), num_classes=trunk.model.num_classes,
             max_batch=self.max_batch, need_labels=False,
         )
         if frame.kind == "evaluate":
