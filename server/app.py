@@ -260,8 +260,6 @@ def _local_loss(runtime: SplitRuntime, common: dict[str, Any]) -> SplitFed:
     """Clients train against an aux head; the trunk trains on their smashed data apart."""
     cfg = runtime.cfg
     s = cfg.strategy
-    if cfg.privacy.name != "none":
-        raise ValueError(f"strategy=local_loss does not support privacy={cfg.privacy.name!r} yet")
     if s.bulk:  # smashed data arrives in the replies; the strategy trains the trunk
         def train_batch(client: str, cut: int, acts: torch.Tensor, labels: torch.Tensor) -> None:
             train_smashed_batch(runtime.endpoint, client, cut, acts, labels)
@@ -275,8 +273,6 @@ def _local_loss(runtime: SplitRuntime, common: dict[str, Any]) -> SplitFed:
 def _ushaped(runtime: SplitRuntime, common: dict[str, Any]) -> SplitFed:
     """Head, tail and loss on the device; the shared trunk runs the stages between."""
     cfg = runtime.cfg
-    if cfg.privacy.name != "none":
-        raise ValueError(f"strategy=ushaped does not support privacy={cfg.privacy.name!r} yet")
     tail_cut = resolve_tail_cut(runtime.model, cfg.model.cut, cfg.model.tail_cut)
 
     def issue(client: str, cut: int, server_round: int) -> str:

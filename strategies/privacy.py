@@ -11,7 +11,8 @@ three things:
   of budget keeps the previous weights instead of dividing by zero examples.
 * The round's ``epsilon`` metric is the largest epsilon any client has
   reported so far (the worst-off client's privacy spent, monotone over rounds),
-  and ``clients-budget`` counts this round's exhausted clients.
+  and ``clients-budget`` counts the sampled clients out of budget (declined or
+  skipped); both are reported even in a round where nobody trained.
 * Federated evaluation is turned off: it would send local activations to the
   trunk outside the accounting. Centralised evaluation is unaffected.
 
@@ -73,6 +74,7 @@ class PrivacyBudgetGuard(Strategy):
         #: Node id -> latest epsilon it reported.
         self.epsilons: dict[int, float] = {}
         self._warned_evaluate = False
+        self._skipped = 0  # sampled this round but out of budget
 
     def __getattr__(self, name: str) -> Any:
         if name == "strategy":  # not set yet (e.g. during unpickling): no recursion
@@ -90,6 +92,7 @@ class PrivacyBudgetGuard(Strategy):
         """Configure as the wrapped strategy does, minus clients out of budget."""
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         kept = [m for m in messages if m.metadata.dst_node_id not in self.exhausted]
+        self._skipped = len(messages) - len(kept)
         if len(kept) < len(messages):
             log(INFO, "privacy: %d sampled client(s) are out of budget and skip round %d",
                 len(messages) - len(kept), server_round)
@@ -117,8 +120,16 @@ class PrivacyBudgetGuard(Strategy):
             rows.setdefault(server_round, []).extend(
                 client_row(r, BUDGET_STATUS) for r in declined
             )
+        out_of_budget = len(declined) + self._skipped
+        self._skipped = 0
+        if metrics is None and (self.epsilons or out_of_budget):
+            # Nobody trained: still report the budget state, where reporters look for it.
+            metrics = MetricRecord({"num-examples": 0})
+            recorded = getattr(self.strategy, "train_metrics", None)
+            if isinstance(recorded, dict):
+                recorded[server_round] = metrics
         if metrics is not None:
-            metrics[f"clients-{BUDGET_STATUS}"] = len(declined)
+            metrics[f"clients-{BUDGET_STATUS}"] = out_of_budget
             if self.epsilons:
                 metrics[EPSILON_METRIC] = max(self.epsilons.values())
         return arrays, metrics

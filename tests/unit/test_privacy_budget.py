@@ -80,9 +80,13 @@ def test_exhausted_clients_are_recorded_left_out_and_not_sampled_again():
 def test_round_where_everyone_is_out_of_budget_keeps_the_weights():
     guard = make_guard()
     arrays, metrics = guard.aggregate_train(3, [out_of_budget(1, 9.0), out_of_budget(2, 9.9)])
-    assert arrays is None and metrics is None  # Strategy.start keeps the previous arrays
+    assert arrays is None  # Strategy.start keeps the previous arrays
+    assert metrics["epsilon"] == 9.9 and metrics["clients-budget"] == 2
+    assert guard.train_metrics[3] is metrics  # where the round reporter reads them
     assert set(guard.exhausted) == {1, 2}
     assert guard.configure_train(4, ArrayRecord(), ConfigRecord(), FakeGrid([1, 2])) == []
+    arrays, metrics = guard.aggregate_train(4, [])
+    assert arrays is None and metrics["clients-budget"] == 2 and metrics["epsilon"] == 9.9
 
 
 def test_guard_sends_no_federated_evaluation():

@@ -223,11 +223,9 @@ def test_the_builder_resolves_the_tail_cut_and_issues_ushaped_grants():
     assert grant is not None and (grant.cut, grant.tail_cut) == (2, 4)
 
 
-def test_the_builder_refuses_bad_cuts_and_unsupported_privacy():
+def test_the_builder_refuses_bad_cuts():
     with pytest.raises(ValueError, match="cut=3, tail_cut=2"):
         build_ushaped("model.cut=3", "model.tail_cut=2")
-    with pytest.raises(ValueError, match="privacy='activation_gaussian'"):
-        build_ushaped("privacy=activation_gaussian", "privacy.noise_multiplier=1.0")
 
 
 def test_initial_arrays_hold_head_and_tail():
