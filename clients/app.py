@@ -154,6 +154,10 @@ def train_split(msg: Message, context: Context) -> Message:
         declined = _decline(msg, spent, partition["partition_id"])  # type: ignore[arg-type]
         declined.content["metrics"][EPSILON_METRIC] = spent.epsilon_spent
         return declined
+    except InjectedDropout as gone:
+        # Its stream is already cut. Replying (rather than raising) keeps the
+        # context.state update, so the frames it sent stay charged to its budget.
+        return _decline(msg, gone, partition["partition_id"])
     finally:
         paced.close()
         _save_accountant(context, accountant)
