@@ -1,4 +1,4 @@
-"""The Flower ClientApp: ``train.split`` and ``evaluate`` handlers.
+"""The Flower ClientApp: one training handler per protocol, and evaluation.
 
 The ClientApp holds no model between messages: each ``train.split`` message
 carries the client-side weights and a :class:`~splitlearn.task.SplitTask`
@@ -11,6 +11,9 @@ with the updated client-side weights and its metrics. The training itself is in
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -20,6 +23,7 @@ from torch.utils.data import DataLoader
 from clients.device import (
     ClientUnavailable,
     DeviceFailure,
+    DevicePlan,
     EmulatedSession,
     InjectedDropout,
     MemoryBudgetExceeded,
@@ -44,7 +48,7 @@ from clients.ushaped import (
     run_ushaped_round,
 )
 from clients.whole import run_whole_round
-from splitlearn.planning.clock import ClientTime
+from splitlearn.planning.devices import DeviceProfile
 from splitlearn.privacy import PrivacyAccountant, PrivacyBudgetExhausted
 from splitlearn.privacy.budget import EPSILON_METRIC
 from splitlearn.smashed_stream import SMASHED_RECORD_KEY, GrpcSmashedStream, SmashedBuffer
@@ -75,31 +79,6 @@ def _dropout_hook(fail_after_steps: int, session: GrpcTrunkSession):  # noqa: AN
     return on_step
 
 
-def _report_metrics(
-    report: TrainReport, task: SplitTask, partition_id: int, vtime: ClientTime, memory: int
-) -> MetricRecord:
-    return MetricRecord(
-        {
-            "partition-id": partition_id,
-            "virtual-s": vtime.total_s,
-            "virtual-compute-s": vtime.compute_s,
-            "virtual-upload-s": vtime.upload_s,
-            "virtual-download-s": vtime.download_s,
-            "virtual-latency-s": vtime.latency_s,
-            "memory-bytes": memory,
-            "num-examples": report.examples,
-            "steps": report.steps,
-            "train-loss": report.loss,
-            "train-accuracy": report.accuracy,
-            "compute-s": report.compute_s,
-            "train-s": report.wall_s,
-            "bytes-up": report.bytes_up,
-            "bytes-down": report.bytes_down,
-            "cut": task.cut,
-        }
-    )
-
-
 def _load_accountant(context: Context) -> PrivacyAccountant:
     # context.state persists per node across rounds, so epsilon keeps adding up.
     record = context.state.config_records.get(ACCOUNTANT_STATE_KEY)
@@ -112,6 +91,68 @@ def _save_accountant(context: Context, accountant: PrivacyAccountant) -> None:
 
 def _open_session(task: SplitTask) -> GrpcTrunkSession:
     return GrpcTrunkSession(task.trunk_address, task.token, max_frame_bytes=task.max_frame_bytes)
+
+
+@dataclass(frozen=True)
+class _Round:
+    """What every training handler knows once the device agreed to train."""
+
+    task: SplitTask
+    partition: dict[str, int]
+    plan: DevicePlan
+    memory: int
+
+    @property
+    def partition_id(self) -> int:
+        return self.partition["partition_id"]
+
+
+MemoryCheck = Callable[[SplitTask, DeviceProfile | None], int]
+
+
+def _begin(msg: Message, context: Context, memory_of: MemoryCheck) -> _Round | Message:
+    """Read the task and draw the device's round; a declining device's reply instead."""
+    task = SplitTask.from_config(msg.content["config"])
+    partition = _partition(context)
+    plan = plan_round(task, **partition)
+    try:
+        if not plan.available:
+            raise ClientUnavailable(f"device not reachable in round {task.server_round}")
+        memory = memory_of(task, plan.profile)
+    except (ClientUnavailable, MemoryBudgetExceeded) as declined:
+        return _decline(msg, declined, partition["partition_id"])
+    return _Round(task, partition, plan, memory)
+
+
+def _reply(
+    msg: Message, rnd: _Round, state: dict, report: TrainReport, *, exchanges: int
+) -> Message:
+    """Build the reply every protocol sends: client-side weights and the standard metrics."""
+    task = rnd.task
+    vtime = virtual_time(
+        compute_s=report.compute_s, bytes_up=report.bytes_up, bytes_down=report.bytes_down,
+        exchanges=exchanges, profile=rnd.plan.profile, host_flops_per_s=task.host_flops_per_s,
+    )
+    metrics = MetricRecord({
+        "partition-id": rnd.partition_id,
+        "virtual-s": vtime.total_s,
+        "virtual-compute-s": vtime.compute_s,
+        "virtual-upload-s": vtime.upload_s,
+        "virtual-download-s": vtime.download_s,
+        "virtual-latency-s": vtime.latency_s,
+        "memory-bytes": rnd.memory,
+        "num-examples": report.examples,
+        "steps": report.steps,
+        "train-loss": report.loss,
+        "train-accuracy": report.accuracy,
+        "compute-s": report.compute_s,
+        "train-s": report.wall_s,
+        "bytes-up": report.bytes_up,
+        "bytes-down": report.bytes_down,
+        "cut": task.cut,
+    })
+    content = RecordDict({"arrays": state_to_record(state), "metrics": metrics})
+    return Message(content=content, reply_to=msg)
 
 
 def _decline(msg: Message, reason: DeviceFailure, partition_id: int) -> Message:
@@ -127,15 +168,10 @@ def _decline(msg: Message, reason: DeviceFailure, partition_id: int) -> Message:
 @app.train("split")
 def train_split(msg: Message, context: Context) -> Message:
     """Train the client-side layers for one round against the shared trunk."""
-    task = SplitTask.from_config(msg.content["config"])
-    partition = _partition(context)
-    plan = plan_round(task, **partition)
-    try:
-        if not plan.available:
-            raise ClientUnavailable(f"device not reachable in round {task.server_round}")
-        memory = check_memory(task, plan.profile)
-    except (ClientUnavailable, MemoryBudgetExceeded) as declined:
-        return _decline(msg, declined, partition["partition_id"])
+    rnd = _begin(msg, context, check_memory)
+    if isinstance(rnd, Message):
+        return rnd
+    task, plan = rnd.task, rnd.plan
     session = _open_session(task)
     paced = session
     if task.emulate and plan.profile is not None:
@@ -148,106 +184,75 @@ def train_split(msg: Message, context: Context) -> Message:
             paced,
             on_step=_dropout_hook(plan.fail_after_steps, session),
             accountant=accountant,
-            **partition,
+            **rnd.partition,
         )
     except PrivacyBudgetExhausted as spent:
-        declined = _decline(msg, spent, partition["partition_id"])  # type: ignore[arg-type]
+        declined = _decline(msg, spent, rnd.partition_id)  # type: ignore[arg-type]
         declined.content["metrics"][EPSILON_METRIC] = spent.epsilon_spent
         return declined
     except InjectedDropout as gone:
         # Its stream is already cut. Replying (rather than raising) keeps the
         # context.state update, so the frames it sent stay charged to its budget.
-        return _decline(msg, gone, partition["partition_id"])
+        return _decline(msg, gone, rnd.partition_id)
     finally:
         paced.close()
         _save_accountant(context, accountant)
-    vtime = virtual_time(
-        compute_s=report.compute_s, bytes_up=report.bytes_up, bytes_down=report.bytes_down,
-        exchanges=report.steps, profile=plan.profile, host_flops_per_s=task.host_flops_per_s,
-    )
-    metrics = _report_metrics(report, task, partition["partition_id"], vtime, memory)
+    reply = _reply(msg, rnd, state, report, exchanges=report.steps)
     if task.privacy != "none":
-        metrics[EPSILON_METRIC] = accountant.epsilon(task.privacy_delta)
-    content = RecordDict({"arrays": state_to_record(state), "metrics": metrics})
-    return Message(content=content, reply_to=msg)
+        reply.content["metrics"][EPSILON_METRIC] = accountant.epsilon(task.privacy_delta)
+    return reply
 
 
 @app.train("whole")
 def train_whole(msg: Message, context: Context) -> Message:
     """FedAvg baseline: train the whole model on the device, no trunk."""
-    task = SplitTask.from_config(msg.content["config"])
-    partition = _partition(context)
-    plan = plan_round(task, **partition)
-    try:
-        if not plan.available:
-            raise ClientUnavailable(f"device not reachable in round {task.server_round}")
-        memory = check_memory(task, plan.profile, whole=True)
-    except (ClientUnavailable, MemoryBudgetExceeded) as declined:
-        return _decline(msg, declined, partition["partition_id"])
-    state, report = run_whole_round(task, record_to_state(msg.content["arrays"]), **partition)
-    if plan.fail_after_steps >= 0:
+    rnd = _begin(msg, context, partial(check_memory, whole=True))
+    if isinstance(rnd, Message):
+        return rnd
+    arrays = record_to_state(msg.content["arrays"])
+    state, report = run_whole_round(rnd.task, arrays, **rnd.partition)
+    if rnd.plan.fail_after_steps >= 0:
         raise InjectedDropout("vanished before uploading its weights")
     # One download and one upload of the weights: one round trip.
-    vtime = virtual_time(
-        compute_s=report.compute_s, bytes_up=report.bytes_up, bytes_down=report.bytes_down,
-        exchanges=1, profile=plan.profile, host_flops_per_s=task.host_flops_per_s,
-    )
-    metrics = _report_metrics(report, task, partition["partition_id"], vtime, memory)
-    content = RecordDict({"arrays": state_to_record(state), "metrics": metrics})
-    return Message(content=content, reply_to=msg)
+    return _reply(msg, rnd, state, report, exchanges=1)
 
 
 @app.train("local_loss")
 def train_local_loss(msg: Message, context: Context) -> Message:
     """Local-loss round: train against the aux head; stream (or ship) the smashed data."""
-    task = SplitTask.from_config(msg.content["config"])
-    partition = _partition(context)
-    plan = plan_round(task, **partition)
-    try:
-        if not plan.available:
-            raise ClientUnavailable(f"device not reachable in round {task.server_round}")
-        memory = check_memory(task, plan.profile)
-    except (ClientUnavailable, MemoryBudgetExceeded) as declined:
-        return _decline(msg, declined, partition["partition_id"])
+    rnd = _begin(msg, context, check_memory)
+    if isinstance(rnd, Message):
+        return rnd
+    task, plan = rnd.task, rnd.plan
     sink: SmashedBuffer | GrpcSmashedStream = SmashedBuffer() if task.bulk else GrpcSmashedStream(
         task.trunk_address, task.token, max_frame_bytes=task.max_frame_bytes
     )
     try:
         state, report = run_local_loss_round(
             task, record_to_state(msg.content["arrays"]), sink,
-            on_step=_dropout_hook(plan.fail_after_steps, sink), **partition,
+            on_step=_dropout_hook(plan.fail_after_steps, sink), **rnd.partition,
         )
     finally:
         sink.close()
     # Streaming is one way: frames follow each other without waiting, so the link's
     # latency is paid once per round (the last ack), not per batch. Bulk data rides
     # the Flower reply: no data-plane exchange at all (its bytes still count as up).
-    vtime = virtual_time(
-        compute_s=report.compute_s, bytes_up=report.bytes_up, bytes_down=report.bytes_down,
-        exchanges=0 if task.bulk else 1, profile=plan.profile,
-        host_flops_per_s=task.host_flops_per_s,
-    )
+    reply = _reply(msg, rnd, state, report, exchanges=0 if task.bulk else 1)
     if task.emulate and plan.profile is not None:
-        time.sleep(max(vtime.total_s - report.wall_s, 0.0))  # no per-batch pacing: no waits
-    metrics = _report_metrics(report, task, partition["partition_id"], vtime, memory)
-    content = RecordDict({"arrays": state_to_record(state), "metrics": metrics})
+        virtual_s = float(reply.content["metrics"]["virtual-s"])
+        time.sleep(max(virtual_s - report.wall_s, 0.0))  # no per-batch pacing: no waits
     if isinstance(sink, SmashedBuffer):
-        content[SMASHED_RECORD_KEY] = state_to_record(sink.to_arrays())
-    return Message(content=content, reply_to=msg)
+        reply.content[SMASHED_RECORD_KEY] = state_to_record(sink.to_arrays())
+    return reply
 
 
 @app.train("ushaped")
 def train_ushaped_split(msg: Message, context: Context) -> Message:
     """U-shaped round: head, tail and loss on the device; labels never leave it."""
-    task = SplitTask.from_config(msg.content["config"])
-    partition = _partition(context)
-    plan = plan_round(task, **partition)
-    try:
-        if not plan.available:
-            raise ClientUnavailable(f"device not reachable in round {task.server_round}")
-        memory = check_ushaped_memory(task, plan.profile)
-    except (ClientUnavailable, MemoryBudgetExceeded) as declined:
-        return _decline(msg, declined, partition["partition_id"])
+    rnd = _begin(msg, context, check_ushaped_memory)
+    if isinstance(rnd, Message):
+        return rnd
+    task, plan = rnd.task, rnd.plan
     session = _open_session(task)
     paced: GrpcTrunkSession | EmulatedUShapedSession = session
     if task.emulate and plan.profile is not None:
@@ -257,18 +262,11 @@ def train_ushaped_split(msg: Message, context: Context) -> Message:
     try:
         state, report = run_ushaped_round(
             task, record_to_state(msg.content["arrays"]), paced,
-            on_step=_dropout_hook(plan.fail_after_steps, session), **partition,
+            on_step=_dropout_hook(plan.fail_after_steps, session), **rnd.partition,
         )
     finally:
         paced.close()
-    vtime = virtual_time(
-        compute_s=report.compute_s, bytes_up=report.bytes_up, bytes_down=report.bytes_down,
-        exchanges=EXCHANGES_PER_BATCH * report.steps, profile=plan.profile,
-        host_flops_per_s=task.host_flops_per_s,
-    )
-    metrics = _report_metrics(report, task, partition["partition_id"], vtime, memory)
-    content = RecordDict({"arrays": state_to_record(state), "metrics": metrics})
-    return Message(content=content, reply_to=msg)
+    return _reply(msg, rnd, state, report, exchanges=EXCHANGES_PER_BATCH * report.steps)
 
 
 @app.evaluate("ushaped")
