@@ -362,7 +362,8 @@ class RoundReporter:
         busy = self.runtime.trunk.busy_s
         trunk_s, self._trunk_busy_seen = busy - self._trunk_busy_seen, busy
         finished = [float(r["virtual_s"]) for r in rows if r["status"] == "ok"]
-        seconds = round_time(finished, trunk_s=trunk_s) if rows else 0.0
+        sequential = not self.strategy.clients_in_parallel
+        seconds = round_time(finished, trunk_s=trunk_s, sequential=sequential) if rows else 0.0
         return {
             "trunk_s": trunk_s,
             "virtual_round_s": seconds,

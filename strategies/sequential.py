@@ -31,6 +31,8 @@ class SequentialSplit(SplitFed):
         Passed to :class:`SplitFed`.
     """
 
+    clients_in_parallel = False
+
     def __init__(self, *, turn_timeout_s: float = 600.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.turn_timeout_s = turn_timeout_s

@@ -83,6 +83,9 @@ class SplitFed(FedAvg):
     #: Message type of the training message; protocols with another client
     #: behaviour (U-shaped, local loss) override it.
     train_message_type = "train.split"
+    #: Whether the sampled clients train at the same time (the virtual clock then
+    #: takes the slowest) or one after another (their times add up).
+    clients_in_parallel = True
 
     def __init__(
         self,

@@ -81,9 +81,17 @@ def client_time(
     )
 
 
-def round_time(client_seconds: Iterable[float], *, trunk_s: float) -> float:
-    """Virtual length of a round: the slowest client plus the trunk's busy time."""
-    return max(client_seconds, default=0.0) + trunk_s
+def round_time(
+    client_seconds: Iterable[float], *, trunk_s: float, sequential: bool = False
+) -> float:
+    """Virtual length of a round: the slowest client plus the trunk's busy time.
+
+    With ``sequential=True`` (clients take turns, as in vanilla split learning)
+    the clients' times add up instead.
+    """
+    seconds = list(client_seconds)
+    clients = sum(seconds) if sequential else max(seconds, default=0.0)
+    return clients + trunk_s
 
 
 class VirtualClock:

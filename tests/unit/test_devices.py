@@ -92,6 +92,7 @@ def test_client_time_is_compute_rescaled_plus_link():
 def test_round_time_is_slowest_client_plus_trunk_and_clock_accumulates():
     assert round_time([1.0, 3.5, 2.0], trunk_s=0.25) == 3.75
     assert round_time([], trunk_s=0.25) == 0.25
+    assert round_time([1.0, 3.5, 2.0], trunk_s=0.25, sequential=True) == 6.75
     clock = VirtualClock()
     clock.advance(2.0)
     assert clock.advance(1.5) == 3.5
