@@ -162,3 +162,48 @@ def test_tagged_client_errors_are_classified():
     error = Message(Error(code=0, reason="Traceback ...\nInjectedDropout: [dropout] vanished"),
                     reply_to=request)
     assert reply_status(error, deadline_s=None) == "dropout"
+
+
+class ScriptedGrid:
+    """A stand-in grid for the strategy's own logic: each node 'trains' by adding
+    its node id to every array and reports 10 examples (the real engines are
+    exercised in tests/integration/test_protocols.py)."""
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+        self.received = []  # (node, value of "0.weight" it was sent)
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            sent = message.content["arrays"]["0.weight"].numpy()
+            self.received.append((node, float(sent.ravel()[0])))
+            replies.append(reply(node, sent + node, 10))
+        return replies
+
+
+def test_sequential_passes_weights_from_each_client_to_the_next():
+    from strategies.sequential import SequentialSplit
+
+    grid = ScriptedGrid([1, 2, 3])
+    strategy = SequentialSplit(
+        task=TASK, issue_token=lambda c, k, r: "t", revoke_round=lambda r: None,
+        min_available_nodes=3, min_train_nodes=3,
+    )
+    from flwr.app import ConfigRecord
+
+    start = ArrayRecord({"0.weight": Array(np.zeros((2, 2), dtype=np.float32))})
+    first = list(strategy.configure_train(1, start, ConfigRecord(), grid))
+    assert len(first) == 1  # one turn at a time
+    replies = grid.send_and_receive(first)
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    order = [node for node, _ in grid.received]
+    # Each turn starts from what the previous client finished with ...
+    assert [value for _, value in grid.received] == [0.0, order[0], order[0] + order[1]]
+    # ... and the round's result is the last client's weights, not an average.
+    np.testing.assert_allclose(arrays["0.weight"].numpy(), np.full((2, 2), 6.0))
+    assert metrics["num-examples"] == 30 and sorted(order) == [1, 2, 3]
