@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from clients.train import TrainReport, epoch_loader, load_local_data
+from clients.train import RoundTally, TrainReport, epoch_loader, load_local_data
 from splitlearn.aux_head import AUX_PREFIX, build_aux_head, split_client_state
 from splitlearn.data import describe_dataset
 from splitlearn.models import build_model
@@ -100,9 +100,7 @@ def train_local_loss(
     optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     bottom.train()
     head.train()
-    steps = examples = correct = 0
-    loss_sum = compute_s = 0.0
-    start = time.perf_counter()
+    tally = RoundTally()
     for _ in range(epochs):
         for inputs, labels in batches():
             if len(labels) == 0:
@@ -114,25 +112,16 @@ def train_local_loss(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            compute_s += time.perf_counter() - t0
+            tally.compute_s += time.perf_counter() - t0
             sink.send(activations.detach(), labels)
-            steps += 1
-            examples += len(labels)
-            correct += int((logits.detach().argmax(dim=1) == labels).sum())
-            loss_sum += float(loss.detach()) * len(labels)
+            steps = tally.add_batch(
+                size=len(labels), loss=float(loss.detach()),
+                correct=int((logits.detach().argmax(dim=1) == labels).sum()),
+            )
             if on_step is not None:
                 on_step(steps)
     sink.flush()
-    return TrainReport(
-        examples=examples,
-        steps=steps,
-        loss=loss_sum / max(examples, 1),
-        accuracy=correct / max(examples, 1),
-        compute_s=compute_s,
-        wall_s=time.perf_counter() - start,
-        bytes_up=sink.bytes_up,
-        bytes_down=sink.bytes_down,
-    )
+    return tally.report(bytes_up=sink.bytes_up, bytes_down=sink.bytes_down)
 
 
 def run_local_loss_round(

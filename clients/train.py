@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -58,6 +58,39 @@ class TrainReport:
     wall_s: float
     bytes_up: int
     bytes_down: int
+
+
+@dataclass
+class RoundTally:
+    """Running totals of one client round; every client loop reports through one."""
+
+    steps: int = 0
+    examples: int = 0
+    correct: int = 0
+    loss_sum: float = 0.0
+    compute_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+    def add_batch(self, *, size: int, correct: int, loss: float) -> int:
+        """Count one trained batch (``loss`` is its mean); return the step count."""
+        self.steps += 1
+        self.examples += size
+        self.correct += correct
+        self.loss_sum += loss * size
+        return self.steps
+
+    def report(self, *, bytes_up: int, bytes_down: int) -> TrainReport:
+        """Freeze the totals into a :class:`TrainReport` (wall time ends now)."""
+        return TrainReport(
+            examples=self.examples,
+            steps=self.steps,
+            loss=self.loss_sum / max(self.examples, 1),
+            accuracy=self.correct / max(self.examples, 1),
+            compute_s=self.compute_s,
+            wall_s=time.perf_counter() - self.started,
+            bytes_up=bytes_up,
+            bytes_down=bytes_down,
+        )
 
 
 def train_bottom(
@@ -108,15 +141,13 @@ def train_bottom(
             bottom.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
         )
     bottom.train()
-    steps = examples = correct = 0
-    loss_sum = compute_s = 0.0
-    start = time.perf_counter()
+    tally = RoundTally()
     for _ in range(epochs):
         for inputs, labels in batches():
             if len(labels) == 0:  # DP-SGD: a noise-only step hides that the batch was empty
                 optimizer.zero_grad(set_to_none=True)
                 optimizer.step()
-                steps += 1
+                tally.steps += 1
                 continue
             t0 = time.perf_counter()
             activations = bottom(inputs)
@@ -128,23 +159,11 @@ def train_bottom(
             optimizer.zero_grad(set_to_none=True)
             activations.backward(reply.grad)
             optimizer.step()
-            compute_s += (t1 - t0) + (time.perf_counter() - t2)
-            steps += 1
-            examples += len(labels)
-            correct += reply.correct
-            loss_sum += reply.loss * len(labels)
+            tally.compute_s += (t1 - t0) + (time.perf_counter() - t2)
+            steps = tally.add_batch(size=len(labels), correct=reply.correct, loss=reply.loss)
             if on_step is not None:
                 on_step(steps)
-    return TrainReport(
-        examples=examples,
-        steps=steps,
-        loss=loss_sum / max(examples, 1),
-        accuracy=correct / max(examples, 1),
-        compute_s=compute_s,
-        wall_s=time.perf_counter() - start,
-        bytes_up=session.bytes_up,
-        bytes_down=session.bytes_down,
-    )
+    return tally.report(bytes_up=session.bytes_up, bytes_down=session.bytes_down)
 
 
 @torch.no_grad()

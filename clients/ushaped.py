@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from clients.device import EmulatedSession, MemoryBudgetExceeded
-from clients.train import TrainReport, epoch_loader, load_local_data
+from clients.train import RoundTally, TrainReport, epoch_loader, load_local_data
 from splitlearn.calibration import client_train_memory_bytes
 from splitlearn.data import describe_dataset
 from splitlearn.models import SplittableModel, build_model
@@ -75,9 +75,7 @@ def train_ushaped(
     optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     head.train()
     tail.train()
-    steps = examples = correct = 0
-    loss_sum = compute_s = 0.0
-    start = time.perf_counter()
+    tally = RoundTally()
     for _ in range(epochs):
         for inputs, labels in batches():
             t0 = time.perf_counter()
@@ -95,23 +93,14 @@ def train_ushaped(
             t4 = time.perf_counter()
             activations.backward(grad_at_cut)
             optimizer.step()
-            compute_s += (t1 - t0) + (t3 - t2) + (time.perf_counter() - t4)
-            steps += 1
-            examples += len(labels)
-            correct += int((logits.detach().argmax(dim=1) == labels).sum())
-            loss_sum += float(loss.detach()) * len(labels)
+            tally.compute_s += (t1 - t0) + (t3 - t2) + (time.perf_counter() - t4)
+            steps = tally.add_batch(
+                size=len(labels), loss=float(loss.detach()),
+                correct=int((logits.detach().argmax(dim=1) == labels).sum()),
+            )
             if on_step is not None:
                 on_step(steps)
-    return TrainReport(
-        examples=examples,
-        steps=steps,
-        loss=loss_sum / max(examples, 1),
-        accuracy=correct / max(examples, 1),
-        compute_s=compute_s,
-        wall_s=time.perf_counter() - start,
-        bytes_up=session.bytes_up,
-        bytes_down=session.bytes_down,
-    )
+    return tally.report(bytes_up=session.bytes_up, bytes_down=session.bytes_down)
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from clients.train import TrainReport, epoch_loader, load_local_data
+from clients.train import RoundTally, TrainReport, epoch_loader, load_local_data
 from splitlearn.data import describe_dataset
 from splitlearn.models import SplittableModel, build_model
 from splitlearn.split import load_bottom_state
@@ -54,9 +54,7 @@ def run_whole_round(
         model.parameters(), lr=task.lr, momentum=task.momentum, weight_decay=task.weight_decay
     )
     model.train()
-    steps = examples = correct = 0
-    loss_sum = 0.0
-    started = time.perf_counter()
+    tally = RoundTally()
     for _ in range(task.local_epochs):
         for inputs, labels in loader:
             logits = model(inputs)
@@ -64,15 +62,10 @@ def run_whole_round(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            steps += 1
-            examples += len(labels)
-            correct += int((logits.argmax(dim=1) == labels).sum())
-            loss_sum += float(loss.detach()) * len(labels)
-    seconds = time.perf_counter() - started
+            tally.add_batch(
+                size=len(labels), loss=float(loss.detach()),
+                correct=int((logits.detach().argmax(dim=1) == labels).sum()),
+            )
+    tally.compute_s = time.perf_counter() - tally.started  # all of it is local compute
     new_state = model.stages.state_dict()
-    report = TrainReport(
-        examples=examples, steps=steps, loss=loss_sum / max(examples, 1),
-        accuracy=correct / max(examples, 1), compute_s=seconds, wall_s=seconds,
-        bytes_up=state_bytes(new_state), bytes_down=state_bytes(state),
-    )
-    return new_state, report
+    return new_state, tally.report(bytes_up=state_bytes(new_state), bytes_down=state_bytes(state))
