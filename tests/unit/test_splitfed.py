@@ -207,3 +207,42 @@ def test_sequential_passes_weights_from_each_client_to_the_next():
     # ... and the round's result is the last client's weights, not an average.
     np.testing.assert_allclose(arrays["0.weight"].numpy(), np.full((2, 2), 6.0))
     assert metrics["num-examples"] == 30 and sorted(order) == [1, 2, 3]
+
+
+def every_protocol():
+    from strategies.fedavg import FedAvgBaseline
+    from strategies.local_loss import LocalLossSplit
+    from strategies.sequential import SequentialSplit
+    from strategies.ushaped import UShapedSplit
+
+    common = {"issue_token": lambda c, k, r: "t", "revoke_round": lambda r: None,
+              "round_deadline_s": 5.0}
+    return {
+        "splitfed": lambda: SplitFed(task=TASK, **common),
+        "sequential": lambda: SequentialSplit(task=TASK, **common),
+        "fedavg": lambda: FedAvgBaseline(task=TASK, **common),
+        "ushaped": lambda: UShapedSplit(task=replace(TASK, tail_cut=3), **common),
+        "local_loss": lambda: LocalLossSplit(task=TASK, **common),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(every_protocol()))
+def test_every_protocol_leaves_out_failed_declined_and_late_clients(name):
+    strategy = every_protocol()[name]()
+    if name == "sequential":  # its remaining turns are none: all replies are in
+        strategy._grid, strategy._waiting = ScriptedGrid([]), []
+    w = [np.full((3, 2), v, dtype=np.float32) for v in (1.0, 5.0, 3.0)]
+    replies = [
+        reply(1, w[0], 10, **{"virtual-s": 1.0}),
+        reply(2, w[1], 10, **{"virtual-s": 9.0}),  # straggler past 5 s
+        reply(3, w[2], 10, **{"virtual-s": 2.0}),
+        declined(4, "unavailable"), declined(5, "dropout"), failed(6),
+    ]
+    strategy._round_started = time.perf_counter()
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    expected = 3.0 if name == "sequential" else 2.0  # last finished turn vs mean(1, 3)
+    np.testing.assert_allclose(arrays["0.weight"].numpy(), np.full((3, 2), expected))
+    assert metrics["num-examples"] == 20 and metrics["failed-clients"] == 4
+    assert metrics["clients-straggler"] == 1 and metrics["clients-dropout"] == 1
+    statuses = sorted(row["status"] for row in strategy.client_rows[1])
+    assert statuses == ["dropout", "failed", "ok", "ok", "straggler", "unavailable"]
