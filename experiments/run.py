@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +62,56 @@ def launch_simulation(cfg: DictConfig) -> None:
     # Ray's socket paths must stay short, so its folder goes under the system tmp.
     with tempfile.TemporaryDirectory(prefix="ray-") as ray_tmp:
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-        run_simulation(
-            server_app=build_server_app(cfg),
-            client_app=client_app,
-            num_supernodes=cfg.num_clients,
-            backend_config=simulation_backend_config(cfg, ray_tmp),
-        )
+        backend_config = simulation_backend_config(cfg, ray_tmp)
+        start_ray(backend_config["init_args"])
+        try:
+            run_simulation(
+                server_app=build_server_app(cfg),
+                client_app=client_app,
+                num_supernodes=cfg.num_clients,
+                backend_config=backend_config,
+            )
+        except Exception:
+            # The engine died (e.g. Ray lost a process). Flower's ServerApp thread is
+            # not a daemon and would wait out the round timeout for replies that can
+            # no longer come, so report and leave now.
+            traceback.print_exc()
+            _shutdown_ray()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         _shutdown_ray()
+
+
+def start_ray(init_args: dict[str, Any], *, attempts: int = 3) -> None:
+    """Start (or attach to) Ray before Flower does, retrying a failed start.
+
+    On a loaded 2-core machine Ray's raylet sometimes misses its fixed 30 s
+    registration window ("The current node timed out during startup"). Flower
+    starts Ray only if it is not running yet, so starting it here, with retries,
+    keeps that flake out of the run. The runtime environment matches Flower's
+    (workers see this process's ``sys.path``).
+    """
+    import ray
+
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    os.environ["PYTHONPATH"] = pythonpath
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(
+                runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+                include_dashboard=False,
+                **init_args,
+            )
+            return
+        except Exception as err:  # Ray raises plain Exception on start-up timeouts
+            log.warning("Ray did not start (attempt %d of %d): %s", attempt, attempts, err)
+            _shutdown_ray()
+            if attempt == attempts:
+                raise
+            time.sleep(2.0 * attempt)
 
 
 def _shutdown_ray() -> None:
