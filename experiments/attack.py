@@ -1,8 +1,9 @@
 """Privacy attacks on a trained split model: ``python -m experiments.attack NAME [overrides ...]``.
 
-Each command trains SplitFed in this process (the in-process runner: same
-maths as the Flower run, no engine start-up), then attacks the final model the
-way the server could:
+Each command trains the configured protocol (``strategy=``, SplitFed v2 by
+default) with the shipped strategy, ClientApp and trunk in this process
+(:mod:`experiments.local`: the in-process channel, no engine start-up), then
+attacks the final model the way the server could:
 
 ``inversion``
     A decoder trained on (released activations, input) pairs from auxiliary
@@ -41,6 +42,7 @@ import torch  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
+from protocols import compose_config  # noqa: E402
 from splitlearn.attacks import (  # noqa: E402
     cut_layer_gradients,
     direction_attack_auc,
@@ -48,10 +50,10 @@ from splitlearn.attacks import (  # noqa: E402
     invert,
     one_vs_rest_norm_auc,
 )
-from splitlearn.config import compose_config  # noqa: E402
-from splitlearn.data import load_client_data, load_test_data  # noqa: E402
+from splitlearn.config import PrivacyConfig, to_object  # noqa: E402
+from splitlearn.data import client_dataset, held_out_dataset  # noqa: E402
 from splitlearn.models import SplittableModel  # noqa: E402
-from splitlearn.privacy import GaussianActivationMechanism, PrivacySettings  # noqa: E402
+from splitlearn.privacy import GaussianActivationMechanism  # noqa: E402
 
 #: Overrides applied before the user's: fast, offline, the shallowest (most exposed) cut.
 ATTACK_DEFAULTS = (
@@ -82,36 +84,30 @@ class AttackData:
 
 def load_attack_data(cfg: DictConfig) -> AttackData:
     """Client 0's training partition as targets; all other digits as auxiliary data."""
+    dataset, partitioner = to_object(cfg.dataset), to_object(cfg.partitioner)
+
     def partition(pid: int) -> tuple[Tensor, Tensor]:
-        data = load_client_data(
-            dataset=cfg.dataset.name, partition_id=pid, num_partitions=cfg.num_clients,
-            partitioner=cfg.partitioner.name, seed=cfg.seed, alpha=cfg.partitioner.alpha,
-            shards_per_partition=cfg.partitioner.shards_per_partition, path=cfg.dataset.path,
-            test_fraction=cfg.dataset.test_fraction, image_size=cfg.dataset.image_size,
-        )
+        data = client_dataset(dataset, partitioner, seed=cfg.seed, partition_id=pid,
+                              num_partitions=cfg.num_clients)
         return data.tensors[0], data.tensors[1]
 
     targets, labels = partition(TARGET_CLIENT)
-    test = load_test_data(
-        dataset=cfg.dataset.name, seed=cfg.seed, path=cfg.dataset.path,
-        test_fraction=cfg.dataset.test_fraction, image_size=cfg.dataset.image_size,
-    )
+    test = held_out_dataset(dataset, seed=cfg.seed)
     others = [partition(pid)[0] for pid in range(cfg.num_clients) if pid != TARGET_CLIENT]
     return AttackData(targets, labels, torch.cat([*others, test.tensors[0]]))
 
 
 def train(cfg: DictConfig) -> tuple[SplittableModel, list[dict[str, float]], float]:
     """Train in process; return the final joined model, the history and the seconds taken."""
-    from experiments.inprocess import run_in_process
+    from experiments.local import run_local
 
-    final: dict[str, SplittableModel] = {}
     started = time.perf_counter()
-    history = run_in_process(cfg, on_round=lambda _, model: final.__setitem__("model", model))
-    return final["model"], history, time.perf_counter() - started
+    result = run_local(cfg)
+    return result.model, result.history, time.perf_counter() - started
 
 
 def release_fn(
-    model: SplittableModel, cut: int, settings: PrivacySettings, generator: torch.Generator
+    model: SplittableModel, cut: int, settings: PrivacyConfig, generator: torch.Generator
 ) -> Callable[[Tensor], Tensor]:
     """Return what the client sends for a batch of inputs (fresh noise on every call)."""
     bottom = nn.Sequential(*list(model.stages)[:cut]).eval()
@@ -149,7 +145,7 @@ def attack(
     torch.set_num_threads(cfg.engine.torch_threads)
     data = data or load_attack_data(cfg)
     model, history, train_s = train(cfg)
-    settings = PrivacySettings.from_config(cfg.privacy)
+    settings: PrivacyConfig = to_object(cfg.privacy)
     generator = torch.Generator().manual_seed(cfg.seed + 1)
     release = release_fn(model, cfg.model.cut, settings, generator)
     row: dict[str, float | str] = {
@@ -203,7 +199,6 @@ def table_configs(
     configs = []
     for row in rows:
         cfg = compose_config([*ATTACK_DEFAULTS, *row, *overrides])
-        cfg.run_dir = "unused"
         configs.append(cfg)
     return configs
 
@@ -263,7 +258,6 @@ def run_table(overrides: Sequence[str], *, out: Path | None = None) -> str:
 def run_single(name: str, overrides: Sequence[str]) -> dict[str, float | str]:
     """Train once with the overrides and run one attack; print its numbers."""
     cfg = compose_config([*ATTACK_DEFAULTS, *overrides])
-    cfg.run_dir = "unused"
     row = attack(cfg, which=(name,))
     shown = {k: v for k, v in row.items() if k != "train_s"}
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

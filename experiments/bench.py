@@ -6,12 +6,14 @@
     process tree (Ray workers included), sampled from /proc every 0.2 s.
 
 ``overhead``
-    Samples/s of SplitFed through the real stack (Flower Simulation Engine,
-    ClientApps in Ray actors, gRPC data plane) divided by samples/s of the same
-    split math in one process with the in-process transport. Defaults: the
-    ResNet-style network on digits resized to 32x32, 4 clients, 5 rounds.
-    Round 1 pays for engine start-up, so throughput is steady state (rounds 2+)
-    and start-up is reported apart. The last line printed is the ratio.
+    Samples/s of a protocol (``strategy=``, SplitFed v2 by default) through the
+    real stack (Flower Simulation Engine, ClientApps in Ray actors, gRPC data
+    plane) divided by samples/s of the same apps run in this process
+    (:mod:`experiments.local`: the same strategy, ClientApp and trunk, clients in
+    threads, the in-process channel). Defaults: the ResNet-style network on digits
+    resized to 32x32, 4 clients, 5 rounds. Round 1 pays for engine start-up, so
+    throughput is steady state (rounds 2+) and start-up is reported apart. The
+    last line printed is the ratio.
 
 Extra arguments are Hydra overrides, e.g. ``strategy.num_rounds=5``.
 """
@@ -31,7 +33,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 import torch  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from splitlearn.config import compose_config  # noqa: E402
+from protocols import compose_config  # noqa: E402
 
 OVERHEAD_DEFAULTS = (
     "model=resnet",
@@ -63,12 +65,12 @@ def run_flower(cfg: DictConfig) -> list[dict]:
 
 def run_limit(cfg: DictConfig) -> list[dict]:
     """Run the same rounds in this process, one client thread per core."""
-    from experiments.inprocess import run_in_process
+    from experiments.local import run_local
 
-    # As in the Simulation Engine: one client per core, each with the
-    # configured intra-op threads (1 by default, the fastest on the dev VM).
+    # As in the Simulation Engine: one client per core, each with the configured
+    # intra-op threads.
     torch.set_num_threads(cfg.engine.torch_threads)
-    return run_in_process(cfg, concurrency=os.cpu_count() or 1)
+    return run_local(cfg, concurrency=os.cpu_count() or 1).history
 
 
 def bench_overhead(overrides: Sequence[str]) -> float:

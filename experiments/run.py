@@ -32,7 +32,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from splitlearn.config import register_configs  # noqa: E402
+from protocols import check_config, register_configs  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ def main(cfg: DictConfig) -> float | None:
     # Flower logs through its own handler; without this every line shows twice
     # (once more through the root handler Hydra installs).
     logging.getLogger("flwr").propagate = False
+    check_config(cfg)  # before Ray and the trunk start: a bad key fails in a second
     launch_simulation(cfg)
     metrics = Path(cfg.run_dir) / "metrics.json"
     print(f"run folder: {cfg.run_dir}", flush=True)

@@ -1,9 +1,10 @@
-"""The shared server trunk: one model, one optimizer, one lock.
+"""The server trunk: one model, one optimiser, one lock, and one way to change them.
 
-SplitFed with a shared trunk applies an update for every batch that arrives, in
-arrival order. Each step holds the lock from forward to optimizer step, so
-concurrent clients never interleave a half-applied update, and a client that
-vanishes between steps leaves the trunk in a consistent state.
+Every session handler trains through :meth:`Trunk.step`: it holds the lock from
+forward to optimiser step, so concurrent clients never interleave a half-applied
+update and a client that vanishes between steps leaves the trunk consistent. It
+also does the books (steps, samples, busy seconds) and refuses to apply an update
+whose gradients are not finite, so no input can leave the weights NaN.
 """
 
 from __future__ import annotations
@@ -11,122 +12,126 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
-from torch import nn
+from torch import Tensor
 
+from splitlearn.dataplane.codec import FrameError, Reason
 from splitlearn.models import SplittableModel
 
 
-@dataclass(frozen=True)
-class TrunkStep:
-    """Result of one trunk step.
-
-    Parameters
-    ----------
-    grad : torch.Tensor | None
-        Gradient of the mean loss w.r.t. the activations at the cut.
-    loss : float
-        Mean cross-entropy over the batch.
-    correct : int
-        Correctly classified samples in the batch.
-    """
-
-    grad: torch.Tensor | None
-    loss: float
-    correct: int
-    #: Per-sample losses and hits, so a step over several clients' batches can
-    #: report each client its own numbers.
-    losses: torch.Tensor | None = None
-    hits: torch.Tensor | None = None
-
-
 class Trunk:
-    """Server-side stages of a splittable model, trained as batches arrive.
+    """Server-side stages of a splittable model.
 
     Parameters
     ----------
     model : SplittableModel
         The server's copy of the whole model; a session with cut ``k`` runs and
-        trains ``model.stages[k:]``. Stages below the cut are never touched here.
-    lr : float
-        SGD learning rate.
-    momentum : float
-        SGD momentum.
-    weight_decay : float
-        SGD weight decay.
+        trains ``model.stages[k:]`` (or up to a U-shaped tail cut). Stages below
+        every cut in use get no gradient, so SGD leaves them as they are.
+    lr, momentum, weight_decay : float
+        SGD settings.
     """
 
     def __init__(
-        self,
-        model: SplittableModel,
-        *,
-        lr: float,
-        momentum: float = 0.0,
+        self, model: SplittableModel, *, lr: float, momentum: float = 0.0,
         weight_decay: float = 0.0,
     ) -> None:
         self.model = model
         self.hyper = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
-        # Shapes never change; probing them per frame would run the model (in
-        # eval mode) under concurrent training steps.
+        # Shapes never change; probing them per frame would run the model under
+        # concurrent training steps.
         self._cut_shapes = {cut: model.cut_shape(cut) for cut in model.valid_cuts}
-        # SGD skips parameters whose grad is None, so stages below every cut in
-        # use keep their values (and momentum buffers stay empty for them).
-        self.optimizer = torch.optim.SGD(
-            model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
-        )
+        self.optimizer = torch.optim.SGD(model.parameters(), **self.hyper)
         self._lock = threading.Lock()
         self.steps = 0
         self.samples = 0
-        #: Seconds spent inside training steps (the virtual clock adds them per round).
+        #: Seconds spent holding the trunk (the virtual clock adds them per round).
         self.busy_s = 0.0
+
+    @property
+    def num_classes(self) -> int:
+        """Classes of the model's output."""
+        return self.model.num_classes
 
     def cut_shape(self, cut: int) -> tuple[int, ...]:
         """Per-sample shape of the activation at ``cut`` (ValueError if invalid)."""
         return self._cut_shapes[self.model.check_cut(cut)]
 
-    def _forward(self, cut: int, activations: torch.Tensor) -> torch.Tensor:
-        out = activations
-        for stage in self.model.stages[cut:]:
-            out = stage(out)
-        return out
+    def run(self, x: Tensor, start: int, end: int | None = None) -> Tensor:
+        """Run stages ``[start, end)`` (to the output when ``end`` is None)."""
+        for stage in self.model.stages[start:end]:
+            x = stage(x)
+        return x
 
-    def train_step(self, cut: int, activations: torch.Tensor, labels: torch.Tensor) -> TrunkStep:
-        """Forward, backward and update the stages above ``cut``; return the cut gradient."""
-        acts = activations.detach().requires_grad_(True)
+    @contextmanager
+    def _held(self, *, train: bool) -> Iterator[None]:
         with self._lock:
             started = time.perf_counter()
-            self.model.train()
-            logits = self._forward(cut, acts)
-            losses = nn.functional.cross_entropy(logits, labels, reduction="none")
-            loss = losses.mean()
+            self.model.train(train)
+            try:
+                yield
+            finally:
+                self.busy_s += time.perf_counter() - started
+
+    @contextmanager
+    def step(self, *, samples: int) -> Iterator[None]:
+        """Hold the trunk for one update: zero grads, run the body's backward, then step.
+
+        The update is applied only if the body returns and every gradient is
+        finite; otherwise the gradients are dropped and nothing changes (buffers
+        the body's forward moved, e.g. batch-norm statistics, are restored too).
+
+        Raises
+        ------
+        FrameError
+            ``STEP_NOT_FINITE`` when a gradient is NaN or infinite.
+        """
+        with self._held(train=True):
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            saved = [(b, b.detach().clone()) for b in self.model.buffers()]
+            try:
+                yield
+                self._check_gradients()
+            except BaseException:
+                self.optimizer.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    for buffer, value in saved:
+                        buffer.copy_(value)
+                raise
             self.optimizer.step()
             self.steps += 1
-            self.samples += len(labels)
-            self.busy_s += time.perf_counter() - started
-        hits = logits.argmax(dim=1) == labels
-        return TrunkStep(acts.grad, float(loss.detach()), int(hits.sum()), losses.detach(), hits)
+            self.samples += samples
 
-    @torch.no_grad()
-    def evaluate_batch(
-        self, cut: int, activations: torch.Tensor, labels: torch.Tensor
-    ) -> TrunkStep:
-        """Loss and correct count for one batch, in eval mode, without an update."""
-        with self._lock:
-            self.model.eval()
-            logits = self._forward(cut, activations)
-        loss = nn.functional.cross_entropy(logits, labels)
-        correct = int((logits.argmax(dim=1) == labels).sum())
-        return TrunkStep(None, float(loss), correct)
+    @contextmanager
+    def forward_only(self, *, train: bool) -> Iterator[None]:
+        """Hold the trunk without updating it (evaluation; a U-shaped forward)."""
+        with self._held(train=train):
+            yield
+
+    def _check_gradients(self) -> None:
+        for param in self.model.parameters():
+            if param.grad is not None and not torch.isfinite(param.grad).all():
+                raise FrameError(
+                    Reason.STEP_NOT_FINITE, "the step's gradients are not finite; not applied"
+                )
 
     def fork(self) -> Trunk:
         """Return an independent trunk on a copy of the model, with a fresh optimiser."""
-        return Trunk(self.snapshot(), **self.hyper)
+        with self._lock:
+            return Trunk(copy.deepcopy(self.model), **self.hyper)
 
     def snapshot(self) -> SplittableModel:
         """Return an independent copy of the whole server model."""
         with self._lock:
             return copy.deepcopy(self.model)
+
+    def load(self, state: Mapping[str, Tensor], *, steps: int, samples: int, busy_s: float) -> None:
+        """Replace the weights (a merge of trunk copies) and add the copies' books."""
+        with self._lock:
+            self.model.load_state_dict(state)
+            self.steps += steps
+            self.samples += samples
+            self.busy_s += busy_s

@@ -1,10 +1,12 @@
-"""Typed configuration: dataclass schemas registered in Hydra's ConfigStore.
+"""Typed configuration: the dataclass schemas of every setting, in one place.
 
-``conf/config.yaml`` extends :class:`Config` (registered as ``base_config``),
-so a misspelt key or a value of the wrong type fails when Hydra composes the
-config, with the key's full name in the message. Scenarios in
-``conf/scenario/`` are ``# @package _global_`` files selected with
-``+scenario=NAME``.
+``conf/config.yaml`` extends :class:`Config` and each ``conf/strategy/NAME.yaml``
+its protocol's subclass of :class:`StrategyConfig` (registered with Hydra by
+:func:`protocols.register_configs`), so a misspelt key or a value of the wrong type
+fails when Hydra composes the config, with the key's full name in the message.
+What a client needs travels to it as a :class:`RunSpec` made of the same
+dataclasses, and OmegaConf checks it again on arrival (:func:`decode_spec`). This
+module does not import Hydra, so a device does not need it.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 #: Where the shipped YAML lives (travels with the source tree and the Flower FAB).
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -41,21 +43,25 @@ class PartitionerConfig:
 
 @dataclass
 class ModelConfig:
-    """The splittable network and where it is cut."""
+    """The splittable network and where it is cut.
 
-    name: str = "cnn"  # cnn | resnet | a zoo network (splitlearn/models: MODELS, ZOO)
+    ``name`` picks a network of the zoo. ``_target_`` instead names any
+    ``nn.Module`` class (``mypkg.nets.MyNet``): it is built with ``options`` as
+    keyword arguments and cut by ``splitlearn.autosplit.auto_split`` wherever a
+    single tensor crosses; ``cut`` then counts those cut points.
+    """
+
+    name: str = "cnn"  # cnn | resnet | a zoo network; a label when _target_ is set
+    _target_: str | None = None  # dotted path of a user's nn.Module class
     cut: int = 1  # stages [0, cut) run on the client
-    # strategy=ushaped only: the client also keeps stages [tail_cut, num_stages) and the
-    # loss, so labels stay on the device; 0 = the last stage only. cut < tail_cut.
-    tail_cut: int = 0
-    options: dict[str, Any] = field(default_factory=dict)  # model-specific keywords
+    options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the network
 
 
 @dataclass
 class StrategyConfig:
-    """The training protocol and its optimisation settings."""
+    """Training settings every protocol shares; each protocol's subclass adds its options."""
 
-    name: str = "splitfed_v2"  # see conf/strategy/ for the protocols
+    name: str = MISSING  # a protocol of protocols.PROTOCOLS (conf/strategy/NAME.yaml)
     num_rounds: int = 20
     fraction_train: float = 1.0  # share of connected clients sampled per round
     min_train_nodes: int = 2
@@ -66,27 +72,26 @@ class StrategyConfig:
     momentum: float = 0.5  # 0.9 on the shared trunk stalls training under label skew
     weight_decay: float = 0.0
     round_timeout_s: float = 600.0  # Flower waits this long for replies
-    batch_concurrent: bool = False  # splitfed_v2: one trunk step over concurrent clients
-    barrier_timeout_s: float = 0.05  # longest a batch waits for the other clients' batches
-    # local_loss only:
-    bulk: bool = False  # ship a round's smashed data in the Flower reply (no data plane)
-    aux_hidden: int = 0  # auxiliary head: 0 = one linear layer, else an MLP this wide
-    queue_batches: int = 256  # smashed batches the trunk may hold before back-pressure
 
 
 @dataclass
 class DataPlaneConfig:
-    """The trunk's gRPC service."""
+    """The trunk's gRPC service and what it accepts."""
 
     host: str = "127.0.0.1"  # bind address; 0.0.0.0 to accept remote devices
     port: int = 0  # 0 = any free port
     advertise_host: str | None = None  # what clients dial, if not `host`
     max_frame_bytes: int = 64 * 1024 * 1024
     max_batch: int = 4096
+    # Finite values beyond this are refused: near float32's limit they overflow the
+    # first layer and would leave the trunk's weights NaN. Activations here are O(10).
+    max_abs_value: float = 1.0e6
+    max_streams: int = 64  # streams served at once; more are refused, never queued
+    streams_per_token: int = 1  # one session, one stream: a stolen token cannot add more
+    idle_timeout_s: float = 300.0  # a stream silent this long is closed
+    reply_timeout_s: float = 600.0  # a client gives up on a reply after this long
     token_ttl_s: float = 3600.0  # a round's tokens also die when the round ends
-    # Intra-op threads of the trunk's process. Measured on the 2-core dev VM:
-    # ResNet fwd+bwd at 32x32 ran 510 samples/s on 1 thread and 35-40 on 2.
-    trunk_threads: int = 1
+    trunk_threads: int = 1  # intra-op threads of the trunk's process (see engine)
 
 
 @dataclass
@@ -95,7 +100,9 @@ class EngineConfig:
 
     name: str = "simulation"  # Flower Simulation Engine, in this process
     num_cpus_per_client: float = 1.0  # Ray resources per ClientApp
-    torch_threads: int = 1  # per ClientApp: oversubscribing 2 cores slows everyone
+    # Intra-op threads per ClientApp and for the trunk: oversubscribing 2 cores with 2
+    # threads each ran training ~12x slower than 1 thread each.
+    torch_threads: int = 1
     ray_address: str | None = None  # attach to an existing Ray cluster
 
 
@@ -110,6 +117,10 @@ class LoggerConfig:
     tags: list[str] = field(default_factory=list)
 
 
+#: ``privacy.name`` values (splitlearn.privacy.registry implements each).
+PRIVACY_NAMES = ("none", "activation_gaussian", "dpsgd_client")
+
+
 @dataclass
 class PrivacyConfig:
     """Privacy of what leaves a client (README "Privacy" says what epsilon covers)."""
@@ -119,6 +130,28 @@ class PrivacyConfig:
     noise_multiplier: float = 0.0  # sigma: noise std = sigma * C; > 0 unless name=none
     delta: float = 1e-5  # below 1/n for the ~150 examples a digits client holds
     epsilon_max: float | None = None  # per-client budget; None = train every round
+
+    def __post_init__(self) -> None:
+        if self.name not in PRIVACY_NAMES:
+            raise ValueError(f"privacy.name={self.name!r}; accepted: {list(PRIVACY_NAMES)}")
+        if self.name == "none":
+            return
+        if not self.clip_norm > 0:
+            raise ValueError(f"privacy.clip_norm must be > 0, got {self.clip_norm!r}")
+        if not self.noise_multiplier > 0:
+            raise ValueError(
+                f"privacy.noise_multiplier must be > 0 for privacy={self.name}, got "
+                f"{self.noise_multiplier!r} (use privacy=none for no noise)"
+            )
+        if not 0 < self.delta < 1:
+            raise ValueError(f"privacy.delta must be in (0, 1), got {self.delta!r}")
+        if self.epsilon_max is not None and not self.epsilon_max > 0:
+            raise ValueError(f"privacy.epsilon_max must be > 0 or null, got {self.epsilon_max!r}")
+
+    @property
+    def accounted(self) -> bool:
+        """Whether this option spends privacy budget (everything but ``none``)."""
+        return self.name != "none"
 
 
 @dataclass
@@ -174,36 +207,74 @@ class Config:
     devices: DevicesConfig = field(default_factory=DevicesConfig)
 
 
-def register_configs() -> None:
-    """Register the schemas with Hydra's ConfigStore (idempotent)."""
-    cs = ConfigStore.instance()
-    # One schema for the whole tree: group files merge into typed nodes, so
-    # they are validated without a schema of their own.
-    cs.store(name="base_config", node=Config)
+@dataclass
+class RunSpec:
+    """What a client needs of the run, sent beside every round's data.
+
+    The same dataclasses as the config, so a setting has one representation on
+    both sides. ``devices.host_flops_per_s`` arrives resolved (measured on the
+    server when the config left it empty).
+    """
+
+    seed: int = 0
+    torch_threads: int = 1
+    max_frame_bytes: int = 64 * 1024 * 1024
+    reply_timeout_s: float = 600.0
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    partitioner: PartitionerConfig = field(default_factory=PartitionerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    failures: FailuresConfig = field(default_factory=FailuresConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
 
 
-def compose_config(overrides: list[str] | None = None) -> DictConfig:
-    """Compose ``conf/config.yaml`` with Hydra overrides, outside ``@hydra.main``.
+def run_spec(cfg: DictConfig, *, host_flops_per_s: float) -> RunSpec:
+    """Return the client's part of a composed config, as typed objects."""
+    spec = RunSpec(
+        seed=cfg.seed, torch_threads=cfg.engine.torch_threads,
+        max_frame_bytes=cfg.dataplane.max_frame_bytes,
+        reply_timeout_s=cfg.dataplane.reply_timeout_s,
+        **{k: to_object(cfg[k]) for k in (
+            "dataset", "partitioner", "model", "strategy", "privacy", "failures", "devices")},
+    )
+    spec.devices.host_flops_per_s = host_flops_per_s
+    return spec
 
-    Used by the ServerApp under ``flwr run`` and by tests.
+
+def encode_spec(spec: RunSpec) -> str:
+    """Serialise a spec (YAML: nested, typed values and nulls survive the trip)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(spec))
+
+
+def decode_spec(text: str, *, strategy: type[StrategyConfig]) -> RunSpec:
+    """Rebuild a spec; OmegaConf checks every key and type against the schemas.
 
     Parameters
     ----------
-    overrides : list[str], optional
-        Hydra overrides such as ``["+scenario=heterogeneous", "strategy.num_rounds=3"]``.
+    text : str
+        What :func:`encode_spec` wrote.
+    strategy : type[StrategyConfig]
+        The protocol's options schema (the message type says which protocol).
 
-    Returns
-    -------
-    DictConfig
-        The composed config; ``run_dir`` is left for the caller to set.
+    Raises
+    ------
+    ValueError
+        Naming the offending key: unknown or mistyped (OmegaConf's errors, re-raised).
     """
-    from hydra import compose, initialize_config_dir
+    schema = OmegaConf.structured(RunSpec(strategy=strategy()))
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.create(text)))  # type: ignore[return-value]
+    except OmegaConfBaseException as err:  # an unknown key is a KeyError: one type for callers
+        raise ValueError(f"run spec refused: {err}") from err
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides or []))
+
+def to_object(node: Any) -> Any:
+    """Return a config node as its dataclass instance (``__post_init__`` checks run)."""
+    return OmegaConf.to_object(node) if isinstance(node, DictConfig) else node
 
 
 def to_container(cfg: DictConfig) -> dict[str, Any]:
     """Resolve a config into plain Python containers."""
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+

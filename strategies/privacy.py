@@ -1,24 +1,19 @@
-"""Privacy budgets on the server: a wrapper around any training strategy.
+"""Privacy budgets on the server: a wrapper around any protocol's strategy.
 
 Like Flower's ``DifferentialPrivacy*`` wrappers, :class:`PrivacyBudgetGuard`
-takes the strategy it protects as an argument and delegates to it. It adds
-three things:
+takes the strategy it protects as an argument and delegates to it. It adds:
 
-* A client that replies with status ``budget`` (its epsilon would pass
-  ``privacy.epsilon_max`` if it trained another round; it did not train) is
-  recorded and never sent a ``train`` message again. Its reply never reaches
-  the wrapped strategy's aggregation, so a round in which every client is out
-  of budget keeps the previous weights instead of dividing by zero examples.
-* The round's ``epsilon`` metric is the largest epsilon any client has
-  reported so far (the worst-off client's privacy spent, monotone over rounds),
-  and ``clients-budget`` counts the sampled clients out of budget (declined or
-  skipped); both are reported even in a round where nobody trained.
-* Federated evaluation is turned off: it would send local activations to the
+* a client that replies with status ``budget`` (its epsilon would pass
+  ``privacy.epsilon_max`` if it trained another round; it did not train) is never
+  sent a ``train`` message again; the wrapped strategy records the decline like
+  any other and averages only finished clients, so a round in which every client
+  is out of budget keeps the previous weights;
+* federated evaluation is turned off: it would send local activations to the
   trunk outside the accounting. Centralised evaluation is unaffected.
 
-Clients are filtered after the wrapped strategy samples them, so with
-``fraction_train < 1`` a round may train fewer clients than it sampled; this
-never blocks waiting for nodes.
+Epsilon itself travels in every reply's metrics and reaches the report through
+the wrapped strategy's ``on_round`` hook. Clients are filtered after the wrapped
+strategy samples them, so a round may train fewer clients than it sampled.
 """
 
 from __future__ import annotations
@@ -32,59 +27,35 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from splitlearn.privacy.budget import BUDGET_STATUS, EPSILON_METRIC
-from splitlearn.task import STATUS_KEY
-from strategies.failures import client_row
+from strategies.reporting import ReportingFedAvg, reply_status
 
-
-def declined_for_budget(reply: Message) -> bool:
-    """Whether ``reply`` says the client's privacy budget is spent."""
-    if reply.has_error():
-        return False
-    status = reply.content.config_records.get(STATUS_KEY)
-    return status is not None and str(status["status"]) == BUDGET_STATUS
-
-
-def reported_epsilon(reply: Message) -> float | None:
-    """Return the epsilon a (non-error) reply reports, if any."""
-    if reply.has_error():
-        return None
-    for metrics in reply.content.metric_records.values():
-        if EPSILON_METRIC in metrics:
-            return float(metrics[EPSILON_METRIC])
-    return None
+#: Status of a client that declined a round because its budget is spent.
+BUDGET_STATUS = "budget"
 
 
 class PrivacyBudgetGuard(Strategy):
-    """Stop training clients whose privacy budget is spent; report the worst epsilon.
-
-    Attributes the guard does not define (``client_rows``, ``train_metrics``,
-    ``task`` ...) are the wrapped strategy's, so round reporters keep working.
+    """Stop training clients whose privacy budget is spent.
 
     Parameters
     ----------
-    strategy : Strategy
-        The strategy to protect (e.g. SplitFed).
+    strategy : ReportingFedAvg
+        The protocol's strategy.
     """
 
-    def __init__(self, strategy: Strategy) -> None:
+    def __init__(self, strategy: ReportingFedAvg) -> None:
         self.strategy = strategy
-        #: Node id -> epsilon it had when it declined for budget.
-        self.exhausted: dict[int, float] = {}
-        #: Node id -> latest epsilon it reported.
-        self.epsilons: dict[int, float] = {}
+        #: Node ids that declined for budget.
+        self.exhausted: set[int] = set()
         self._warned_evaluate = False
-        self._skipped = 0  # sampled this round but out of budget
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "strategy":  # not set yet (e.g. during unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.strategy, name)
 
     def summary(self) -> None:
         """Log the wrapped strategy's summary and the guard."""
         self.strategy.summary()
         log(INFO, "\t└──> Privacy budget guard: exhausted clients are not sampled again")
+
+    def start(self, *, grid: Grid, **kwargs: Any) -> Any:
+        """Flower's loop over the guard's hooks, on the wrapped strategy's grid."""
+        return super().start(grid=self.strategy.wrap_grid(grid), **kwargs)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -92,7 +63,6 @@ class PrivacyBudgetGuard(Strategy):
         """Configure as the wrapped strategy does, minus clients out of budget."""
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         kept = [m for m in messages if m.metadata.dst_node_id not in self.exhausted]
-        self._skipped = len(messages) - len(kept)
         if len(kept) < len(messages):
             log(INFO, "privacy: %d sampled client(s) are out of budget and skip round %d",
                 len(messages) - len(kept), server_round)
@@ -103,36 +73,13 @@ class PrivacyBudgetGuard(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Set aside budget declines, aggregate the rest, report epsilon."""
+        """Remember the clients out of budget; the wrapped strategy does the rest."""
         replies = list(replies)
-        declined = [r for r in replies if declined_for_budget(r)]
-        for reply in replies:
-            if (epsilon := reported_epsilon(reply)) is not None:
-                self.epsilons[reply.metadata.src_node_id] = epsilon
-        for reply in declined:
-            node = reply.metadata.src_node_id
-            self.exhausted[node] = self.epsilons.get(node, float("nan"))
-        arrays, metrics = self.strategy.aggregate_train(
-            server_round, [r for r in replies if not declined_for_budget(r)]
-        )
-        rows = getattr(self.strategy, "client_rows", None)
-        if isinstance(rows, dict) and declined:
-            rows.setdefault(server_round, []).extend(
-                client_row(r, BUDGET_STATUS) for r in declined
-            )
-        out_of_budget = len(declined) + self._skipped
-        self._skipped = 0
-        if metrics is None and (self.epsilons or out_of_budget):
-            # Nobody trained: still report the budget state, where reporters look for it.
-            metrics = MetricRecord({"num-examples": 0})
-            recorded = getattr(self.strategy, "train_metrics", None)
-            if isinstance(recorded, dict):
-                recorded[server_round] = metrics
-        if metrics is not None:
-            metrics[f"clients-{BUDGET_STATUS}"] = out_of_budget
-            if self.epsilons:
-                metrics[EPSILON_METRIC] = max(self.epsilons.values())
-        return arrays, metrics
+        self.exhausted |= {
+            r.metadata.src_node_id for r in replies
+            if reply_status(r, deadline_s=None) == BUDGET_STATUS
+        }
+        return self.strategy.aggregate_train(server_round, replies)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -1,81 +1,111 @@
-"""Vanilla (sequential) split learning: clients take turns on one trunk.
+"""Vanilla (sequential) split learning: clients take turns on one trunk (Gupta & Raskar 2018).
 
-Within a round the sampled clients train one after another; each starts from
-the client-side weights the previous one finished with, passed through the
-server. The round's result is the last finished client's weights (no
-averaging). Built on :class:`SplitFed` at its hooks: ``configure_train`` sends
-the first turn, ``aggregate_train`` runs the remaining turns on the grid it was
-given, then lets SplitFed record and summarise every reply.
+Within a round the sampled clients train one after another; each starts from the
+client-side weights the previous one finished with, and the round's result is the
+last finished client's weights (no averaging). The turns are the grid's business,
+not the aggregation's: :class:`TurnByTurnGrid` sends one message at a time and
+hands each turn the latest weights, so ``aggregate_train`` does no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from strategies.failures import reply_status
+from splitlearn.config import StrategyConfig
+from strategies.reporting import reply_status
 from strategies.splitfed import SplitFed
 
 
-class SequentialSplit(SplitFed):
-    """Sequential split learning (Gupta & Raskar 2018) on Flower's message API.
+@dataclass
+class SequentialOptions(StrategyConfig):
+    """Sequential split learning; ``round_timeout_s`` bounds each client's turn."""
+
+    name: str = "sequential"
+
+
+class TurnByTurnGrid(Grid):
+    """A grid that sends training messages one at a time, chaining the weights.
 
     Parameters
     ----------
-    turn_timeout_s : float
-        Longest the server waits for one client's turn.
-    **kwargs : Any
-        Passed to :class:`SplitFed`.
+    grid : Grid
+        The real grid.
+    strategy : SequentialSplit
+        Says which replies finished and where the weights are.
     """
+
+    def __init__(self, grid: Grid, strategy: SequentialSplit) -> None:
+        self.grid = grid
+        self.strategy = strategy
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Send evaluation as usual; training one turn at a time, from the latest weights."""
+        messages = list(messages)
+        if not messages or not messages[0].metadata.message_type.startswith("train"):
+            return self.grid.send_and_receive(messages, timeout=timeout)
+        replies: list[Message] = []
+        latest: ArrayRecord | None = None
+        for message in messages:
+            if latest is not None:
+                message = self.strategy.with_arrays(message, latest)
+            replies += self.grid.send_and_receive([message], timeout=timeout)
+            latest = self.strategy.last_finished(replies) or latest
+        return replies
+
+    # The rest of the Grid interface is the real grid's.
+    def set_run(self, run):  # noqa: ANN001, ANN201, D102
+        return self.grid.set_run(run)
+
+    @property
+    def run(self):  # noqa: ANN201, D102
+        return self.grid.run
+
+    def create_message(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201, D102
+        return self.grid.create_message(*args, **kwargs)
+
+    def get_node_ids(self):  # noqa: ANN201, D102
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages):  # noqa: ANN001, ANN201, D102
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201, D102
+        return self.grid.pull_messages(message_ids)
+
+
+class SequentialSplit(SplitFed):
+    """Sequential split learning on Flower's message API."""
 
     clients_in_parallel = False
 
-    def __init__(self, *, turn_timeout_s: float = 600.0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.turn_timeout_s = turn_timeout_s
-        self._grid: Grid | None = None
-        self._waiting: list[Message] = []
+    def wrap_grid(self, grid: Grid) -> Grid:
+        """Take turns: one client after another."""
+        return TurnByTurnGrid(grid, self)
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Sample and prepare every turn; send only the first."""
-        messages = list(super().configure_train(server_round, arrays, config, grid))
-        self._grid, self._waiting = grid, messages[1:]
-        return messages[:1]
-
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Run the remaining turns, each from the last finished weights; keep the last."""
-        replies = list(replies)
-        latest = self._last_finished(replies)
-        assert self._grid is not None
-        for message in self._waiting:
-            if latest is not None:
-                message = self._with_arrays(message, latest)
-            replies += self._grid.send_and_receive([message], timeout=self.turn_timeout_s)
-            latest = self._last_finished(replies) or latest
-        self._waiting = []
-        _, metrics = super().aggregate_train(server_round, replies)
-        return (latest if metrics is not None else None), metrics
-
-    def _last_finished(self, replies: list[Message]) -> ArrayRecord | None:
+    def last_finished(self, replies: list[Message]) -> ArrayRecord | None:
+        """Return the weights of the last reply that finished, if any."""
         for reply in reversed(replies):
             if reply_status(reply, deadline_s=self.round_deadline_s) == "ok":
                 return reply.content[self.arrayrecord_key]
         return None
 
-    def _with_arrays(self, message: Message, arrays: ArrayRecord) -> Message:
-        content = RecordDict({
-            self.arrayrecord_key: arrays,
-            self.configrecord_key: message.content[self.configrecord_key],
-        })
-        return Message(
-            content=content,
-            dst_node_id=message.metadata.dst_node_id,
-            message_type=message.metadata.message_type,
-        )
+    def with_arrays(self, message: Message, arrays: ArrayRecord) -> Message:
+        """``message`` carrying ``arrays`` instead of the round's starting weights."""
+        content = RecordDict({k: v for k, v in message.content.items()})
+        content[self.arrayrecord_key] = arrays
+        return Message(content=content, dst_node_id=message.metadata.dst_node_id,
+                       message_type=message.metadata.message_type)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Report as every protocol does; the result is the last finished client's weights."""
+        replies = list(replies)
+        _, metrics = super().aggregate_train(server_round, replies)
+        return (self.last_finished(replies) if metrics is not None else None), metrics

@@ -1,182 +1,106 @@
-"""SplitFed with one shared trunk, as a small extension of Flower's FedAvg.
+"""SplitFed: a reporting FedAvg plus data-plane sessions (Thapa et al. 2022).
 
-FedAvg already samples clients, sends them the global (here: client-side)
-weights and averages the replies by examples. SplitFed adds, per client and
-round, the data-plane session (trunk address, token, cut, training settings)
-to the ``train.split`` message, revokes the round's tokens when the replies
-are in, and keeps a per-client table of what each client reported. A client
-that failed mid-round sends an error reply (or none): FedAvg ignores it, so
-nothing of its partial work is aggregated into the client-side weights.
+FedAvg averages the client sides; what SplitFed adds, at its hooks, is the trunk:
+each sampled client's round record carries a session (the trunk's address and a
+token granting the protocol, the client, its cut and the round), the round's
+tokens are revoked as soon as the replies are in (late frames are refused, open
+streams closed), and the protocol's trunk side finishes the round with the clients
+that finished (SplitFed v1 merges their trunk copies; local loss drains its queue).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
-from dataclasses import replace
-from logging import INFO
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.common import log
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.app import Message, MetricRecord
 
-from splitlearn.models import SplittableModel
-from splitlearn.split import bottom_state
-from splitlearn.task import SplitTask
-from splitlearn.wire import state_to_record
-from strategies.failures import FAILURE_KINDS, client_row, reply_status, status_counts
-
-#: Issues a token: (client id, cut, round) -> token.
-IssueToken = Callable[[str, int, int], str]
-
-#: Metrics summed over clients (the rest are averaged, weighted by examples).
-SUMMED_METRICS = ("num-examples", "steps", "bytes-up", "bytes-down", "compute-s")
-#: Metrics whose round value is the worst client's (the slowest device sets the pace).
-MAX_METRICS = ("virtual-s", "epsilon")  # epsilon: the least private client's
-#: Per-client labels, meaningless when averaged.
-CLIENT_ONLY_METRICS = ("partition-id",)
+from splitlearn.config import StrategyConfig
+from splitlearn.dataplane import TokenRegistry
+from strategies.reporting import ReportingFedAvg
 
 
-def aggregate_split_metrics(records: list[RecordDict], weighting_key: str) -> MetricRecord:
-    """Sum counts, bytes and seconds; average the rest weighted by ``weighting_key``."""
-    totals: dict[str, float] = {}
-    first_metrics = [next(iter(r.metric_records.values())) for r in records]
-    weight_sum = sum(float(m[weighting_key]) for m in first_metrics) or 1.0
-    for metrics in first_metrics:
-        weight = float(metrics[weighting_key]) / weight_sum
-        for key, value in metrics.items():
-            if key in CLIENT_ONLY_METRICS:
-                continue
-            if key in MAX_METRICS:
-                totals[key] = max(totals.get(key, float("-inf")), float(value))
-                continue
-            share = float(value) if key in SUMMED_METRICS else float(value) * weight
-            totals[key] = totals.get(key, 0.0) + share
-    totals["clients"] = float(len(records))
-    return MetricRecord(totals)
-
-
-class SplitFed(FedAvg):
-    """SplitFed (v2: one trunk shared by all clients) on Flower's message API.
+@dataclass(frozen=True)
+class DataPlaneAccess:
+    """How the ServerApp grants sessions on its trunk service.
 
     Parameters
     ----------
-    task : SplitTask
-        Template of what clients receive; round, token and injected failure are
-        filled in per client.
-    issue_token : IssueToken
-        Issues a data-plane token for (client, cut, round).
-    revoke_round : Callable[[int], None]
-        Revokes the tokens of a finished round.
-    merge_round : Callable[[list[str]], None], optional
-        Called with the ids of the clients that finished the round (e.g. to
-        average per-client trunk copies, SplitFed v1).
-    round_deadline_s : float, optional
-        Virtual seconds; a client reporting a longer ``virtual-s`` is a
-        straggler and is left out of the round like a failed one.
-    **fedavg_kwargs : Any
-        Passed to :class:`flwr.serverapp.strategy.FedAvg`.
+    tokens : TokenRegistry
+        Issues and revokes the tokens.
+    address : str
+        ``host:port`` clients dial.
+    ttl_s : float
+        Longest a token lives (it also dies with its round).
     """
 
-    #: Message type of the training message; protocols with another client
-    #: behaviour (U-shaped, local loss) override it.
-    train_message_type = "train.split"
-    #: Whether the sampled clients train at the same time (the virtual clock then
-    #: takes the slowest) or one after another (their times add up).
-    clients_in_parallel = True
+    tokens: TokenRegistry
+    address: str
+    ttl_s: float
 
-    def __init__(
-        self,
-        *,
-        task: SplitTask,
-        issue_token: IssueToken,
-        revoke_round: Callable[[int], None],
-        merge_round: Callable[[list[str]], None] | None = None,
-        round_deadline_s: float | None = None,
-        **fedavg_kwargs: Any,
-    ) -> None:
-        fedavg_kwargs.setdefault("train_metrics_aggr_fn", aggregate_split_metrics)
-        super().__init__(**fedavg_kwargs)
-        self.task = task
-        self.issue_token = issue_token
-        self.revoke_round = revoke_round
-        self.merge_round = merge_round
-        self.round_deadline_s = round_deadline_s
-        #: Per round: one row per sampled client (its metrics, or its failure).
-        self.client_rows: dict[int, list[dict[str, Any]]] = {}
-        #: Per round: the aggregated training metrics.
-        self.train_metrics: dict[int, MetricRecord] = {}
-        self._round_started = 0.0
 
-    def initial_arrays(self, model: SplittableModel) -> ArrayRecord:
-        """Client-side weights that round 1 starts from (the stages below the cut)."""
-        return state_to_record(bottom_state(model, self.task.cut))
+class TrunkSide(Protocol):
+    """What the strategy needs of the protocol's session handler."""
 
-    def summary(self) -> None:
-        """Log the FedAvg settings plus the split settings."""
-        super().summary()
-        log(INFO, "\t└──> Split: model %s, cut %d", self.task.model, self.task.cut)
+    def finish_round(self, finished: Iterable[str]) -> None:
+        """Settle the round on the trunk for the clients (node ids) that finished."""
+        ...
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Sample clients as FedAvg does, then give each its own data-plane session."""
-        messages = super().configure_train(server_round, arrays, config, grid)
-        self._round_started = time.perf_counter()
-        return [self._session_message(m, server_round, self.train_message_type) for m in messages]
 
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Federated evaluation through the trunk (off unless fraction_evaluate > 0)."""
-        messages = super().configure_evaluate(server_round, arrays, config, grid)
-        return [self._session_message(m, server_round, "evaluate") for m in messages]
+@dataclass
+class SplitFedV2Options(StrategyConfig):
+    """SplitFed v2: one shared trunk, a step per batch as activations arrive."""
 
-    def _session_message(self, message: Message, server_round: int, kind: str) -> Message:
-        node = message.metadata.dst_node_id
-        task = replace(
-            self.task,
-            server_round=server_round,
-            token=self.issue_token(str(node), self.task.cut, server_round),
+    name: str = "splitfed_v2"
+    batch_concurrent: bool = False  # one trunk step over the batches of connected clients
+    barrier_timeout_s: float = 0.05  # longest a batch waits for the others' batches
+
+
+@dataclass
+class SplitFedV1Options(StrategyConfig):
+    """SplitFed v1: a trunk copy per client, merged over those that finished."""
+
+    name: str = "splitfed_v1"
+
+
+class SplitFed(ReportingFedAvg):
+    """SplitFed on Flower's message API.
+
+    Parameters
+    ----------
+    dataplane : DataPlaneAccess
+        Grants the clients' sessions.
+    trunk : TrunkSide
+        The protocol's trunk side (its session handler).
+    **kwargs : Any
+        Passed to :class:`ReportingFedAvg`.
+    """
+
+    def __init__(self, *, dataplane: DataPlaneAccess, trunk: TrunkSide, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dataplane = dataplane
+        self.trunk = trunk
+
+    def round_record(self, node: int, server_round: int) -> dict[str, Any]:
+        """Return the round's data plus a session: the trunk's address and a fresh token."""
+        record = super().round_record(node, server_round)
+        token = self.dataplane.tokens.issue(
+            client=str(node), protocol=self.protocol, cut=record["cut"],
+            server_round=server_round, ttl_s=self.dataplane.ttl_s,
         )
-        config = ConfigRecord({**message.content[self.configrecord_key], **task.to_config()})
-        content = RecordDict(
-            {self.arrayrecord_key: message.content[self.arrayrecord_key],
-             self.configrecord_key: config}
-        )
-        return Message(content=content, dst_node_id=node, message_type=kind)
+        return record | {"trunk_address": self.dataplane.address, "token": token}
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Close the round's sessions, record every client, FedAvg those that finished."""
-        replies = list(replies)
-        round_train_s = time.perf_counter() - self._round_started
-        self.revoke_round(server_round)
-        statuses = [reply_status(r, deadline_s=self.round_deadline_s) for r in replies]
-        self.client_rows[server_round] = [
-            client_row(r, s) for r, s in zip(replies, statuses, strict=True)
-        ]
-        finished = [r for r, s in zip(replies, statuses, strict=True) if s == "ok"]
-        if self.merge_round is not None:
-            self.merge_round([str(r.metadata.src_node_id) for r in finished])
-        arrays, metrics = super().aggregate_train(server_round, finished)
-        if metrics is not None:
-            counts = status_counts(statuses)
-            metrics["failed-clients"] = len(replies) - counts["ok"]
-            for status in ("straggler", *FAILURE_KINDS):
-                metrics[f"clients-{status}"] = counts[status]
-            # Server-side wall time from sending the round to having every reply.
-            metrics["round-train-s"] = round_train_s
-            self.train_metrics[server_round] = metrics
-        return arrays, metrics
+    def finish_round(self, server_round: int, finished: list[Message]) -> None:
+        """Close the round's sessions, then let the trunk settle the finished clients."""
+        self.dataplane.tokens.revoke_round(server_round)
+        self.trunk.finish_round([str(r.metadata.src_node_id) for r in finished])
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Average client evaluations, then close the sessions."""
+        """Average client evaluations, then close the evaluation's sessions."""
         metrics = super().aggregate_evaluate(server_round, replies)
-        self.revoke_round(server_round)
+        self.dataplane.tokens.revoke_round(server_round)
         return metrics
+

@@ -1,4 +1,4 @@
-"""Shared fixtures: a trunk service on loopback, seeded models and batches."""
+"""Shared fixtures: a trunk service on loopback, seeded models and batches, small configs."""
 
 from __future__ import annotations
 
@@ -8,48 +8,87 @@ import os
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
+from omegaconf import DictConfig
 
+from protocols import compose_config, protocol_named
 from server.trunk import Trunk
-from server.trunk_service import TokenRegistry, TrunkEndpoint, TrunkService
+from splitlearn.config import StrategyConfig
+from splitlearn.dataplane import (
+    GrpcTransport,
+    InProcessTransport,
+    Limits,
+    SessionHandler,
+    TokenRegistry,
+    TrunkChannel,
+    TrunkEndpoint,
+    TrunkService,
+)
 from splitlearn.models import SplittableModel, build_model
 
-# On the 2-core machines here, 2 intra-op threads run torch ~10x slower than 1.
+# Oversubscribing the 2-core machines with intra-op threads slows torch ~10x.
 torch.set_num_threads(1)
 
 
 @dataclass
 class TrunkServer:
-    """A running data plane around a copy of ``model``."""
+    """A running data plane around a copy of ``model``, serving one protocol."""
 
     model: SplittableModel
     trunk: Trunk
+    handler: SessionHandler
     tokens: TokenRegistry
     endpoint: TrunkEndpoint
     service: TrunkService
+    protocol: str
 
-    def token(self, cut: int, client: str = "c0", server_round: int = 1) -> str:
-        return self.tokens.issue(client=client, cut=cut, server_round=server_round, ttl_s=60)
+    def token(self, cut: int, client: str = "c0", server_round: int = 1, ttl_s: float = 60) -> str:
+        return self.tokens.issue(client=client, protocol=self.protocol, cut=cut,
+                                 server_round=server_round, ttl_s=ttl_s)
+
+    def channel(self, token: str, **kwargs) -> TrunkChannel:
+        """A client channel over gRPC."""
+        transport = GrpcTransport(self.service.address, token, max_frame_bytes=1 << 22)
+        return TrunkChannel(transport, max_frame_bytes=1 << 22, **kwargs)
+
+    def local_channel(self, token: str, **kwargs) -> TrunkChannel:
+        """A client channel calling the endpoint directly (same frames and checks)."""
+        return TrunkChannel(InProcessTransport(self.endpoint, token), **kwargs)
 
 
 def start_trunk_server(
-    model: SplittableModel, *, lr: float = 0.1, max_frame_bytes: int = 1 << 20
+    model: SplittableModel,
+    *,
+    protocol: str = "splitfed_v2",
+    options: StrategyConfig | None = None,
+    lr: float = 0.1,
+    limits: Limits | None = None,
+    handler: Callable[[Trunk, Limits], SessionHandler] | None = None,
+    **service_kwargs,
 ) -> TrunkServer:
+    """Serve a copy of ``model`` with ``protocol``'s session handler (or ``handler``)."""
     server_model = copy.deepcopy(model)
     trunk = Trunk(server_model, lr=lr)
+    limits = limits or Limits(max_frame_bytes=1 << 20, max_batch=64)
+    spec = protocol_named(protocol)
+    if handler is not None:
+        session_handler = handler(trunk, limits)
+    else:
+        assert spec.trunk is not None
+        session_handler = spec.trunk(trunk, options or spec.options(), limits)
     tokens = TokenRegistry()
-    endpoint = TrunkEndpoint(trunk, tokens, max_frame_bytes=max_frame_bytes, max_batch=64)
-    service = TrunkService(endpoint, host="127.0.0.1", port=0)
+    endpoint = TrunkEndpoint({protocol: session_handler}, tokens, limits=limits)
+    service = TrunkService(endpoint, host="127.0.0.1", port=0, **service_kwargs)
     service.start()
-    return TrunkServer(server_model, trunk, tokens, endpoint, service)
+    return TrunkServer(server_model, trunk, session_handler, tokens, endpoint, service, protocol)
 
 
 @pytest.fixture
-def trunk_server_factory() -> Iterator:
+def trunk_server_factory() -> Iterator[Callable[..., TrunkServer]]:
     servers: list[TrunkServer] = []
 
     def make(model: SplittableModel, **kw) -> TrunkServer:
@@ -73,6 +112,17 @@ def fixed_batches(
         (torch.rand(batch, 1, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g))
         for _ in range(n)
     ]
+
+
+def small_config(*overrides: str, run_dir: str | None = None) -> DictConfig:
+    """The shipped config, shrunk for tests: few clients and rounds, files only."""
+    cfg = compose_config([
+        "logger=none", "num_clients=3", "strategy.num_rounds=2", "strategy.local_epochs=1",
+        *overrides,
+    ])
+    if run_dir is not None:
+        cfg.run_dir = run_dir
+    return cfg
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -28,6 +28,7 @@ labels as int64 tensors of shape (N,).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from types import MappingProxyType
 
 import datasets
@@ -37,6 +38,7 @@ from flwr_datasets import FederatedDataset
 from flwr_datasets.partitioner import Partitioner
 from torch.utils.data import TensorDataset
 
+from splitlearn.config import DatasetConfig, PartitionerConfig
 from splitlearn.data.digits import load_digits_splits
 from splitlearn.data.partition import (
     check_partition_id,
@@ -369,3 +371,51 @@ def _scale_to_unit(images: np.ndarray) -> np.ndarray:
     if np.issubdtype(images.dtype, np.integer):
         return images.astype(np.float32) / np.float32(255.0)
     return images.astype(np.float32, copy=False)
+
+
+def client_dataset(
+    dataset: DatasetConfig, partitioner: PartitionerConfig, *, seed: int, partition_id: int,
+    num_partitions: int,
+) -> TensorDataset:
+    """Load one client's training partition as the config groups describe it."""
+    return load_client_data(
+        dataset=dataset.name, partition_id=partition_id, num_partitions=num_partitions,
+        partitioner=partitioner.name, seed=seed, alpha=partitioner.alpha,
+        shards_per_partition=partitioner.shards_per_partition, path=dataset.path,
+        test_fraction=dataset.test_fraction, image_size=dataset.image_size,
+    )
+
+
+def held_out_dataset(dataset: DatasetConfig, *, seed: int) -> TensorDataset:
+    """Load the held-out test split as the ``dataset`` config group describes it."""
+    return load_test_data(
+        dataset=dataset.name, seed=seed, path=dataset.path,
+        test_fraction=dataset.test_fraction, image_size=dataset.image_size,
+    )
+
+
+def check_dataset_config(dataset: DatasetConfig) -> None:
+    """Refuse a dataset config that could only fail later (after engines started).
+
+    Raises
+    ------
+    ValueError
+        For an unknown name, a ``path`` given to digits (which ships with
+        scikit-learn and would ignore it), or a ``path`` that is not a folder
+        holding data files.
+    """
+    source = _dataset_source(dataset.name)
+    if dataset.path is None:
+        return
+    if source.hub_id is None:
+        raise ValueError(
+            f"dataset.path={dataset.path!r} is set but dataset.name={dataset.name!r} ships with "
+            "scikit-learn and reads no folder; drop dataset.path or choose "
+            f"{[n for n in KNOWN_DATASETS if _KNOWN_DATASETS[n].hub_id]}"
+        )
+    folder = Path(dataset.path)
+    if not folder.is_dir() or not any(p.is_file() for p in folder.rglob("*")):
+        raise ValueError(
+            f"dataset.path={dataset.path!r} is not a folder holding the dataset's files "
+            "(e.g. train*.parquet and test*.parquet)"
+        )

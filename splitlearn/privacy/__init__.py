@@ -13,7 +13,7 @@ from splitlearn.privacy.accounting import (
     Step,
     compute_epsilon,
 )
-from splitlearn.privacy.dpsgd import DPSGDBottom, ExternalGradDPOptimizer, poisson_batches
+from splitlearn.privacy.dpsgd import DPSGDBottom, ExternalGradDPOptimizer
 from splitlearn.privacy.mechanism import (
     GaussianActivationMechanism,
     clip_per_sample,
@@ -22,7 +22,6 @@ from splitlearn.privacy.mechanism import (
 from splitlearn.privacy.registry import (
     PRIVACY_OPTIONS,
     ClientPrivacy,
-    PrivacySettings,
     make_client_privacy,
     secret_generator,
     with_release_at_cut,
@@ -36,13 +35,11 @@ __all__ = [
     "GaussianActivationMechanism",
     "PrivacyAccountant",
     "PrivacyBudgetExhausted",
-    "PrivacySettings",
     "Step",
     "clip_per_sample",
     "compute_epsilon",
     "make_client_privacy",
     "per_sample_norms",
-    "poisson_batches",
     "secret_generator",
     "with_release_at_cut",
 ]

@@ -3,9 +3,10 @@
 The stateless part turns a history of Gaussian steps ``(noise_multiplier,
 sample_rate, num_steps)`` into epsilon with Opacus's RDP analysis
 (:mod:`opacus.accountants.analysis.rdp`, Mironov et al. 2019). The stateful
-:class:`PrivacyAccountant` wraps :class:`opacus.accountants.RDPAccountant` and
-keeps its history as plain lists, so a client can store it between rounds
-(e.g. in Flower's ``context.state``) and rebuild it exactly.
+:class:`PrivacyAccountant` drives :class:`opacus.accountants.RDPAccountant`
+through its public API (``step``, ``get_epsilon``, ``state_dict``) and keeps
+the history as plain lists, so a client can store it between rounds (in
+Flower's ``context.state``) and rebuild it exactly.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from contextlib import contextmanager
 
 from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis import rdp as rdp_analysis
-
-from splitlearn.privacy.budget import BUDGET_STATUS
 
 #: One entry of an accountant's history: (noise_multiplier, sample_rate, num_steps).
 Step = tuple[float, float, int]
@@ -40,7 +39,7 @@ class PrivacyBudgetExhausted(RuntimeError):
     """
 
     #: Reply status of a client that declines a round for this reason.
-    kind = BUDGET_STATUS
+    kind = "budget"
 
     def __init__(self, *, epsilon_spent: float, epsilon_next: float, epsilon_max: float) -> None:
         super().__init__(
@@ -112,7 +111,7 @@ def _quiet_order_warning() -> Iterator[None]:
 
 
 class PrivacyAccountant:
-    """Opacus's RDP accountant with a history that survives a trip through plain lists.
+    """Opacus's RDP accountant, driven through its API, with a history kept as plain lists.
 
     Parameters
     ----------
@@ -122,22 +121,15 @@ class PrivacyAccountant:
 
     def __init__(self, history: Iterable[Step] = ()) -> None:
         self._rdp = RDPAccountant()
-        for s, q, n in history:
-            self.step(noise_multiplier=s, sample_rate=q, num_steps=n)
+        self.extend(history)
 
     def step(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
         """Record ``num_steps`` Gaussian steps at ``(noise_multiplier, sample_rate)``."""
         s, q, n = check_step(
             noise_multiplier=noise_multiplier, sample_rate=sample_rate, num_steps=num_steps
         )
-        if n == 0:
-            return
-        # RDPAccountant.step merges equal consecutive steps; do the same for n at once.
-        history = self._rdp.history
-        if history and history[-1][:2] == (s, q):
-            history[-1] = (s, q, history[-1][2] + n)
-        else:
-            history.append((s, q, n))
+        for _ in range(n):  # Opacus merges equal consecutive steps into one entry
+            self._rdp.step(noise_multiplier=s, sample_rate=q)
 
     def extend(self, steps: Iterable[Step]) -> None:
         """Record several history entries in order."""
@@ -147,38 +139,31 @@ class PrivacyAccountant:
     @property
     def history(self) -> list[Step]:
         """A copy of the history: ``(noise_multiplier, sample_rate, num_steps)`` entries."""
-        return list(self._rdp.history)
+        return [tuple(entry) for entry in self._rdp.state_dict()["history"]]  # type: ignore[misc]
 
     @property
     def num_steps(self) -> int:
         """Steps recorded so far."""
-        return sum(n for _, _, n in self._rdp.history)
+        return sum(n for _, _, n in self.history)
 
     def epsilon(self, delta: float) -> float:
         """Epsilon spent so far at ``delta`` (Opacus's RDP accountant)."""
         if not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+        if not self.history:
+            return 0.0
         with _quiet_order_warning():
             return float(self._rdp.get_epsilon(delta=delta))
 
     def epsilon_after(self, steps: Iterable[Step], *, delta: float) -> float:
-        """Epsilon if ``steps`` were recorded next (the accountant is not changed)."""
-        return compute_epsilon(history=[*self.history, *steps], delta=delta)
+        """Epsilon if ``steps`` were recorded next (this accountant is not changed)."""
+        return PrivacyAccountant([*self.history, *steps]).epsilon(delta)
 
     def spend(self, steps: Sequence[Step], *, delta: float, epsilon_max: float | None) -> float:
         """Record ``steps`` unless they would take epsilon past ``epsilon_max``.
 
         Charging before the work is done keeps the count safe when a round fails
         half-way: rows already sent are paid for.
-
-        Parameters
-        ----------
-        steps : Sequence[Step]
-            The round's planned steps.
-        delta : float
-            Target delta.
-        epsilon_max : float | None
-            Budget; None for no budget.
 
         Returns
         -------
@@ -201,7 +186,7 @@ class PrivacyAccountant:
 
     def to_lists(self) -> dict[str, list[float] | list[int]]:
         """Return the history as three parallel lists (keys :data:`HISTORY_KEYS`)."""
-        history = self._rdp.history
+        history = self.history
         return {
             "noise-multiplier": [float(s) for s, _, _ in history],
             "sample-rate": [float(q) for _, q, _ in history],

@@ -19,13 +19,11 @@ it would reveal that the batch was empty.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 
 import torch
 from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
-from torch import Tensor, nn
-from torch.utils.data import TensorDataset
+from torch import nn
 
 
 class ExternalGradDPOptimizer(DPOptimizer):
@@ -109,35 +107,3 @@ class DPSGDBottom:
                 if hasattr(p, attr):
                     delattr(p, attr)
 
-
-def poisson_batches(
-    data: TensorDataset,
-    *,
-    sample_rate: float,
-    num_batches: int,
-    generator: torch.Generator | None = None,
-) -> Iterator[tuple[Tensor, ...]]:
-    """Poisson-sampled batches: each example joins each batch with prob. ``sample_rate``.
-
-    Parameters
-    ----------
-    data : TensorDataset
-        Local examples.
-    sample_rate : float
-        q, in (0, 1].
-    num_batches : int
-        Batches to draw (one epoch = ``round(1 / q)`` in Opacus's convention).
-    generator : torch.Generator, optional
-        Sampling randomness (keep it secret from the server).
-
-    Yields
-    ------
-    tuple[Tensor, ...]
-        The tensors of ``data`` restricted to the sampled rows (possibly empty).
-    """
-    if not 0 < sample_rate <= 1:
-        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
-    n = len(data)
-    for _ in range(num_batches):
-        index = (torch.rand(n, generator=generator) < sample_rate).nonzero().squeeze(1)
-        yield tuple(t[index] for t in data.tensors)

@@ -13,95 +13,28 @@
     sensitivity of a row to replacing its input is 2C). Sampling gives no
     amplification here: each row is released on its own, not hidden in a sum.
 ``dpsgd_client``
-    DP-SGD on the client-side layers (:mod:`splitlearn.privacy.dpsgd`):
-    Poisson batches with ``q = 1 / batches_per_epoch``, per-sample gradient
-    clipping to C, noise sigma * C on the sum; one accounted step per batch at
-    ``(sigma, q)``, add/remove-one adjacency as in Opacus. Activations are sent
-    unnoised.
+    DP-SGD on every module the device trains (:mod:`splitlearn.privacy.dpsgd`):
+    Opacus's Poisson data loader with ``q = 1 / batches_per_epoch``, per-sample
+    gradient clipping to C, noise sigma * C on the sum; one accounted step per
+    batch at ``(sigma, q)``, add/remove-one adjacency as in Opacus. Activations
+    are sent unnoised.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
+from opacus.data_loader import DPDataLoader
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from splitlearn.config import PrivacyConfig
 from splitlearn.privacy.accounting import Step
-from splitlearn.privacy.dpsgd import DPSGDBottom, poisson_batches
+from splitlearn.privacy.dpsgd import DPSGDBottom
 from splitlearn.privacy.mechanism import GaussianActivationMechanism
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrivacySettings:
-    """One client's privacy settings (the ``privacy`` config group, flattened).
-
-    Parameters
-    ----------
-    name : str
-        A key of :data:`PRIVACY_OPTIONS`.
-    clip_norm : float
-        C: L2 bound per sample (activations or gradients, by option).
-    noise_multiplier : float
-        sigma: noise std is ``sigma * C``; must be > 0 unless ``name == "none"``.
-    delta : float
-        The delta epsilon is reported at.
-    epsilon_max : float | None
-        Per-client budget; None for none.
-    """
-
-    name: str = "none"
-    clip_norm: float = 1.0
-    noise_multiplier: float = 0.0
-    delta: float = 1e-5
-    epsilon_max: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.name not in PRIVACY_OPTIONS:
-            raise ValueError(
-                f"privacy.name={self.name!r} is not available; accepted: {sorted(PRIVACY_OPTIONS)}"
-            )
-        if self.name != "none":
-            if not self.clip_norm > 0:
-                raise ValueError(f"privacy.clip_norm must be > 0, got {self.clip_norm!r}")
-            if not self.noise_multiplier > 0:
-                raise ValueError(
-                    f"privacy.noise_multiplier must be > 0 for privacy={self.name}, got "
-                    f"{self.noise_multiplier!r} (use privacy=none for no noise)"
-                )
-            if not 0 < self.delta < 1:
-                raise ValueError(f"privacy.delta must be in (0, 1), got {self.delta!r}")
-
-    @property
-    def accounted(self) -> bool:
-        """Whether this option spends privacy budget (everything but ``none``)."""
-        return self.name != "none"
-
-    @classmethod
-    def from_task(cls, task: Any) -> PrivacySettings:
-        """Read the ``privacy*`` fields of a :class:`~splitlearn.task.SplitTask`."""
-        return cls(
-            name=task.privacy,
-            clip_norm=task.privacy_clip_norm,
-            noise_multiplier=task.privacy_noise_multiplier,
-            delta=task.privacy_delta,
-            epsilon_max=task.privacy_epsilon_max if task.privacy_epsilon_max > 0 else None,
-        )
-
-    @classmethod
-    def from_config(cls, privacy: Any) -> PrivacySettings:
-        """Read the ``privacy`` config node (a DictConfig or PrivacyConfig)."""
-        return cls(
-            name=privacy.name,
-            clip_norm=float(privacy.clip_norm),
-            noise_multiplier=float(privacy.noise_multiplier),
-            delta=float(privacy.delta),
-            epsilon_max=None if privacy.epsilon_max is None else float(privacy.epsilon_max),
-        )
 
 
 def secret_generator() -> torch.Generator:
@@ -118,7 +51,7 @@ class ClientPrivacy:
 
     Parameters
     ----------
-    settings : PrivacySettings
+    settings : PrivacyConfig
         The option's settings.
     loader : DataLoader
         The round's shuffled loader over the local data (a TensorDataset).
@@ -127,12 +60,12 @@ class ClientPrivacy:
     """
 
     name: ClassVar[str] = "none"
+    #: Whether the option protects the activations a client sends (and so needs a
+    #: protocol that sends some).
+    protects_activations: ClassVar[bool] = False
 
     def __init__(
-        self,
-        settings: PrivacySettings,
-        loader: DataLoader,
-        *,
+        self, settings: PrivacyConfig, loader: DataLoader, *,
         generator: torch.Generator | None = None,
     ) -> None:
         self.settings = settings
@@ -143,41 +76,39 @@ class ClientPrivacy:
         """Accountant steps that ``epochs`` passes over the local data cost."""
         return []
 
-    def batches(self) -> Callable[[], Iterable[tuple[Tensor, Tensor]]]:
-        """Return a callable that yields one epoch's batches per call."""
-        return lambda: self.loader
+    def batches(self) -> Iterable[tuple[Tensor, Tensor]]:
+        """One epoch's batches."""
+        return self.loader
 
-    @property
-    def release(self) -> Callable[[Tensor], Tensor] | None:
-        """Applied to the activations before they are sent (None: sent as they are)."""
-        return None
+    def release(self, activations: Tensor) -> Tensor:
+        """Return what is sent for ``activations`` (differentiable: backward runs through it)."""
+        return activations
 
     def make_optimizer(
-        self, bottom: nn.Module, *, lr: float, momentum: float, weight_decay: float
-    ) -> torch.optim.Optimizer | None:
-        """Return the client optimiser; None lets the training loop build plain SGD."""
-        return None
+        self, trained: nn.Module, *, lr: float, momentum: float, weight_decay: float
+    ) -> torch.optim.Optimizer:
+        """Return the optimiser of the device's trained modules (plain SGD here)."""
+        return torch.optim.SGD(
+            trained.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
+        )
 
     def close(self) -> None:
-        """Undo anything attached to the bottom for training."""
+        """Undo anything attached to the modules for training."""
 
 
 class ActivationGaussianPrivacy(ClientPrivacy):
     """Clip each activation row to C and add N(0, (sigma C)^2) before it is sent."""
 
     name: ClassVar[str] = "activation_gaussian"
+    protects_activations: ClassVar[bool] = True
 
     def __init__(
-        self,
-        settings: PrivacySettings,
-        loader: DataLoader,
-        *,
+        self, settings: PrivacyConfig, loader: DataLoader, *,
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__(settings, loader, generator=generator)
         self.mechanism = GaussianActivationMechanism(
-            clip_norm=settings.clip_norm,
-            noise_multiplier=settings.noise_multiplier,
+            clip_norm=settings.clip_norm, noise_multiplier=settings.noise_multiplier,
             generator=self.generator,
         )
 
@@ -185,56 +116,49 @@ class ActivationGaussianPrivacy(ClientPrivacy):
         """One Gaussian release of every example per epoch (sample rate 1)."""
         return [(self.mechanism.accounting_noise_multiplier, 1.0, epochs)]
 
-    @property
-    def release(self) -> Callable[[Tensor], Tensor]:
-        """The clip-and-noise mechanism."""
-        return self.mechanism
+    def release(self, activations: Tensor) -> Tensor:
+        """Clip and noise."""
+        return self.mechanism(activations)
 
 
 class DPSGDClientPrivacy(ClientPrivacy):
-    """DP-SGD on the client-side layers with Poisson batches (Opacus)."""
+    """DP-SGD on every module the device trains, with Poisson batches (Opacus)."""
 
     name: ClassVar[str] = "dpsgd_client"
 
     def __init__(
-        self,
-        settings: PrivacySettings,
-        loader: DataLoader,
-        *,
+        self, settings: PrivacyConfig, loader: DataLoader, *,
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__(settings, loader, generator=generator)
-        # Opacus's convention (DPDataLoader): q = 1 / batches per epoch.
-        self.num_batches = max(len(loader), 1)
-        self.sample_rate = 1.0 / self.num_batches
+        # Opacus's DP data loader: q = 1 / batches per epoch, that many batches per
+        # epoch, empty batches as zero-row tensors.
+        self.dp_loader = DPDataLoader.from_data_loader(loader, generator=self.generator)
+        self.sample_rate = self.dp_loader.sample_rate
         self._dp: DPSGDBottom | None = None
 
     @property
     def expected_batch_size(self) -> float:
         """``q * num_examples``: the denominator of the noisy mean gradient."""
-        return self.sample_rate * len(self.loader.dataset)
+        return self.sample_rate * len(self.loader.dataset)  # type: ignore[arg-type]
 
     def round_steps(self, *, epochs: int) -> list[Step]:
         """One subsampled Gaussian step per batch."""
-        return [(self.settings.noise_multiplier, self.sample_rate, epochs * self.num_batches)]
+        return [(self.settings.noise_multiplier, self.sample_rate, epochs * len(self.dp_loader))]
 
-    def batches(self) -> Callable[[], Iterable[tuple[Tensor, Tensor]]]:
-        """Poisson-sampled batches, ``batches per epoch`` of them per call."""
-        return lambda: poisson_batches(
-            self.loader.dataset, sample_rate=self.sample_rate, num_batches=self.num_batches,
-            generator=self.generator,
-        )
+    def batches(self) -> Iterable[tuple[Tensor, Tensor]]:
+        """Poisson-sampled batches."""
+        return self.dp_loader
 
     def make_optimizer(
-        self, bottom: nn.Module, *, lr: float, momentum: float, weight_decay: float
+        self, trained: nn.Module, *, lr: float, momentum: float, weight_decay: float
     ) -> torch.optim.Optimizer:
-        """Attach per-sample gradient hooks to ``bottom``; return Opacus's DP optimiser."""
+        """Attach per-sample gradient hooks to ``trained``; return Opacus's DP optimiser."""
         self._dp = DPSGDBottom(
-            bottom, lr=lr, momentum=momentum, weight_decay=weight_decay,
+            trained, lr=lr, momentum=momentum, weight_decay=weight_decay,
             noise_multiplier=self.settings.noise_multiplier,
             max_grad_norm=self.settings.clip_norm,
-            expected_batch_size=self.expected_batch_size,
-            generator=self.generator,
+            expected_batch_size=self.expected_batch_size, generator=self.generator,
         )
         return self._dp.optimizer
 
@@ -247,17 +171,13 @@ class DPSGDClientPrivacy(ClientPrivacy):
 
 #: ``privacy.name`` -> behaviour.
 PRIVACY_OPTIONS: dict[str, type[ClientPrivacy]] = {
-    "none": ClientPrivacy,
-    "activation_gaussian": ActivationGaussianPrivacy,
-    "dpsgd_client": DPSGDClientPrivacy,
+    option.name: option
+    for option in (ClientPrivacy, ActivationGaussianPrivacy, DPSGDClientPrivacy)
 }
 
 
 def make_client_privacy(
-    settings: PrivacySettings,
-    loader: DataLoader,
-    *,
-    generator: torch.Generator | None = None,
+    settings: PrivacyConfig, loader: DataLoader, *, generator: torch.Generator | None = None
 ) -> ClientPrivacy:
     """Build the behaviour ``settings.name`` selects for one client round."""
     return PRIVACY_OPTIONS[settings.name](settings, loader, generator=generator)
@@ -276,29 +196,15 @@ class ReleaseAtCut(nn.Module):
 
 
 def with_release_at_cut(
-    model: nn.Module,
-    *,
-    cut: int,
-    settings: PrivacySettings,
+    model: nn.Module, *, cut: int, settings: PrivacyConfig,
     generator: torch.Generator | None = None,
 ) -> nn.Module:
     """Return the model as deployed: activations at ``cut`` pass the release mechanism.
 
     For ``activation_gaussian`` the trunk only ever sees clipped, noised rows,
     so test accuracy is measured the same way; other options return ``model``.
-
-    Parameters
-    ----------
-    model : nn.Module
-        A splittable model (``model.stages``); not modified.
-    cut : int
-        Stages ``[0, cut)`` are the client's.
-    settings : PrivacySettings
-        The run's privacy settings.
-    generator : torch.Generator, optional
-        Noise source.
     """
-    if settings.name != "activation_gaussian":
+    if not PRIVACY_OPTIONS[settings.name].protects_activations:
         return model
     mechanism = GaussianActivationMechanism(
         clip_norm=settings.clip_norm, noise_multiplier=settings.noise_multiplier,

@@ -7,40 +7,21 @@ import threading
 
 import pytest
 import torch
-from torch import nn
 
-from clients.train import train_bottom
+from splitlearn.dataplane import TrunkRejected
+from splitlearn.dataplane import trunk_pb2 as pb
+from splitlearn.dataplane.codec import encode_tensor
 from splitlearn.split import split
-from splitlearn.transport import GrpcTrunkSession, TrunkRejected
-from splitlearn.wire import encode_frame
 from tests.conftest import digits_like_model, fixed_batches
+from tests.helpers import max_param_diff, send_raw, train_split_client, train_whole
 
 LR = 0.1
 STEPS = 20
 
 
-def train_whole(model: nn.Module, batches, lr: float) -> None:
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    model.train()
-    for x, y in batches:
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-
-
-def max_param_diff(a: nn.Module, b: nn.Module) -> float:
-    return max(
-        (pa - pb).abs().max().item()
-        for pa, pb in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
-        if pa.is_floating_point()
-    )
-
-
-def open_session(server, cut: int, transport: str, client: str = "c0"):
+def open_channel(server, cut: int, transport: str, client: str = "c0"):
     token = server.token(cut, client=client)
-    if transport == "grpc":
-        return GrpcTrunkSession(server.service.address, token, max_frame_bytes=1 << 20)
-    return server.endpoint.local_session(token)
+    return server.channel(token) if transport == "grpc" else server.local_channel(token)
 
 
 @pytest.mark.parametrize("transport", ["grpc", "in_process"])
@@ -53,10 +34,9 @@ def test_split_training_equals_whole_model_at_every_cut(trunk_server_factory, na
     for cut in reference.valid_cuts:
         server = trunk_server_factory(reference, lr=LR)
         client_model = copy.deepcopy(reference)
-        bottom, _ = split(client_model, cut)
-        session = open_session(server, cut, transport)
-        report = train_bottom(bottom, lambda b=batches: b, session, epochs=1, lr=LR)
-        session.close()
+        channel = open_channel(server, cut, transport)
+        report = train_split_client(client_model, cut, batches, channel, lr=LR)
+        channel.close()
         assert report.steps == STEPS
         # The joined model: client's stages below the cut, trunk's above it.
         joined = copy.deepcopy(server.model)
@@ -70,70 +50,64 @@ def trunk_params(server) -> list[torch.Tensor]:
     return [p.detach().clone() for p in server.model.parameters()]
 
 
-def send_raw(session: GrpcTrunkSession, data: bytes) -> str:
-    """Send raw bytes on a session; return the refusal reason."""
-    with pytest.raises(TrunkRejected) as info:
-        reply = session._round_trip(data)
-        session.bytes_down += len(reply)
-        from splitlearn.transport import _to_reply
-        from splitlearn.wire import decode_frame
-
-        _to_reply(decode_frame(reply, max_bytes=1 << 21))
-    return str(info.value)
+def forward_request(activations: torch.Tensor, labels: torch.Tensor, seq: int) -> bytes:
+    return pb.Request(seq=seq, forward=pb.Forward(
+        activations=encode_tensor(activations), labels=encode_tensor(labels))).SerializeToString()
 
 
+LABELS = torch.zeros(4, dtype=torch.int64)
+#: Bad requests (for cut shape ``s`` and sequence number ``q``), and the reason each gets.
 BAD_FRAMES = {
-    "wrong shape": (lambda s: {"activations": torch.randn(4, *s[:-1], s[-1] + 1),
-                               "labels": torch.zeros(4, dtype=torch.int64)}, "expected (batch"),
-    "nan": (lambda s: {"activations": torch.full((4, *s), float("nan")),
-                       "labels": torch.zeros(4, dtype=torch.int64)}, "NaN"),
-    "wrong dtype": (lambda s: {"activations": torch.ones(4, *s, dtype=torch.int64),
-                               "labels": torch.zeros(4, dtype=torch.int64)}, "float dtype"),
-    "oversized": (lambda s: {"activations": torch.zeros(300_000),
-                             "labels": torch.zeros(4, dtype=torch.int64)}, "exceeds the limit"),
+    "wrong shape": (lambda s, q: forward_request(torch.randn(4, *s[:-1], s[-1] + 1), LABELS, q),
+                    "BAD_TENSOR"),
+    "nan": (lambda s, q: forward_request(torch.full((4, *s), float("nan")), LABELS, q),
+            "NOT_FINITE"),
+    "near float32 max": (lambda s, q: forward_request(torch.full((4, *s), 3e38), LABELS, q),
+                         "OUT_OF_RANGE"),
+    "wrong dtype": (lambda s, q: forward_request(torch.ones(4, *s, dtype=torch.int64), LABELS, q),
+                    "BAD_TENSOR"),
+    "labels out of range": (lambda s, q: forward_request(torch.zeros(4, *s), LABELS + 10, q),
+                            "OUT_OF_RANGE"),
+    "oversized": (lambda s, q: forward_request(torch.zeros(300_000), LABELS, q), "TOO_LARGE"),
+    "not a frame": (lambda s, q: b"\xff\x00garbage", "MALFORMED"),
+    "replayed": (lambda s, q: forward_request(torch.zeros(4, *s), LABELS, 1), "REPLAYED"),
 }
 
 
 def test_bad_frames_are_refused_while_another_client_trains(trunk_server_factory):
     reference = digits_like_model("cnn")
     cut = 2
-    server = trunk_server_factory(reference, lr=LR, max_frame_bytes=1 << 20)
+    server = trunk_server_factory(reference, lr=LR)
     shape = server.model.cut_shape(cut)
 
     # A well-behaved client trains in parallel for the whole test.
     good_report = {}
-    good_bottom, _ = split(copy.deepcopy(reference), cut)
-    good_session = open_session(server, cut, "grpc", client="good")
+    good_channel = open_channel(server, cut, "grpc", client="good")
 
     def good_client() -> None:
-        good_report["r"] = train_bottom(
-            good_bottom, lambda: fixed_batches(40, seed=1), good_session, epochs=1, lr=LR
+        good_report["r"] = train_split_client(
+            copy.deepcopy(reference), cut, fixed_batches(40, seed=1), good_channel, lr=LR
         )
 
     thread = threading.Thread(target=good_client)
     thread.start()
-
-    bad = open_session(server, cut, "grpc", client="bad")
+    bad = open_channel(server, cut, "grpc", client="bad")
     for label, (make, reason) in BAD_FRAMES.items():
-        with server.trunk._lock:  # snapshot consistent with the good client's steps
-            before = trunk_params(server)
-            steps_before = server.trunk.steps
-        message = send_raw(bad, encode_frame("forward", make(shape)))
-        assert reason in message, f"{label}: {message}"
-        with server.trunk._lock:
-            if server.trunk.steps == steps_before:  # no good step interleaved
-                after = trunk_params(server)
-                assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        reply = send_raw(bad, make(shape, bad.next_seq()))
+        assert reply.WhichOneof("kind") == "refusal", label
+        assert pb.Refusal.Reason.Name(reply.refusal.reason) == reason, f"{label}: {reply.refusal}"
     # The stream survives refusals: a valid frame on it still trains.
     x, y = fixed_batches(1, batch=4)[0]
     acts = split(copy.deepcopy(reference), cut)[0](x)
-    assert bad.exchange(acts.detach(), y).grad.shape == acts.shape
+    grad, _, _ = bad.forward(acts.detach(), y)
+    assert grad.shape == acts.shape
     bad.close()
-
     thread.join(timeout=60)
-    good_session.close()
+    good_channel.close()
     assert good_report["r"].steps == 40
-    assert server.endpoint.rejected["bad"] == len(BAD_FRAMES)
+    # Every refusal is booked against the stream that sent it, none against the good one.
+    assert sum(server.endpoint.refusals.values()) == len(BAD_FRAMES)
+    assert server.trunk.steps == 41
 
 
 def test_refusals_leave_trunk_weights_unchanged(trunk_server_factory):
@@ -142,10 +116,10 @@ def test_refusals_leave_trunk_weights_unchanged(trunk_server_factory):
     server = trunk_server_factory(reference, lr=LR)
     shape = server.model.cut_shape(cut)
     before = trunk_params(server)
-    session = open_session(server, cut, "grpc")
-    for make, reason in BAD_FRAMES.values():
-        assert reason in send_raw(session, encode_frame("forward", make(shape)))
-    session.close()
+    channel = open_channel(server, cut, "grpc")
+    for make, _ in BAD_FRAMES.values():
+        assert send_raw(channel, make(shape, channel.next_seq())).WhichOneof("kind") == "refusal"
+    channel.close()
     assert all(torch.equal(a, b) for a, b in zip(before, trunk_params(server), strict=True))
     assert server.trunk.steps == 0
 
@@ -155,17 +129,17 @@ def test_bad_token_is_refused_with_a_reason(trunk_server_factory):
     server = trunk_server_factory(reference)
     x, y = fixed_batches(1, batch=4)[0]
     acts = split(copy.deepcopy(reference), 1)[0](x).detach()
-    session = GrpcTrunkSession(server.service.address, "not-a-token")
+    channel = server.channel("not-a-token")
     with pytest.raises(TrunkRejected, match="UNAUTHENTICATED: session token rejected"):
-        session.exchange(acts, y)
-    session.close()
-    # A revoked token stops working too, even on an open stream.
-    session = open_session(server, 1, "grpc")
-    session.exchange(acts, y)
+        channel.forward(acts, y)
+    channel.close()
+    # A revoked token stops working too: its open stream is closed at once.
+    channel = open_channel(server, 1, "grpc")
+    channel.forward(acts, y)
     server.tokens.revoke_round(1)
-    with pytest.raises(TrunkRejected, match="token rejected"):
-        session.exchange(acts, y)
-    session.close()
+    with pytest.raises(TrunkRejected, match="CANCELLED|token rejected"):
+        channel.forward(acts, y)
+    channel.close()
     assert server.trunk.steps == 1
 
 
@@ -174,18 +148,17 @@ def test_activations_shaped_for_another_cut_are_refused(trunk_server_factory):
     server = trunk_server_factory(reference)
     x, y = fixed_batches(1, batch=4)[0]
     acts_cut2 = split(copy.deepcopy(reference), 2)[0](x).detach()
-    session = open_session(server, 1, "grpc")  # token says cut 1
-    with pytest.raises(TrunkRejected, match="for this client's cut"):
-        session.exchange(acts_cut2, y)
-    session.close()
+    channel = open_channel(server, 1, "grpc")  # the token says cut 1
+    with pytest.raises(TrunkRejected, match="BAD_TENSOR.*for this client's cut"):
+        channel.forward(acts_cut2, y)
+    channel.close()
 
 
 def test_client_vanishing_mid_round_leaves_trunk_serving(trunk_server_factory):
     reference = digits_like_model("cnn")
     cut = 2
     server = trunk_server_factory(reference, lr=LR)
-    bottom, _ = split(copy.deepcopy(reference), cut)
-    vanishing = open_session(server, cut, "grpc", client="gone")
+    vanishing = open_channel(server, cut, "grpc", client="gone")
 
     def vanish(step: int) -> None:
         if step == 3:
@@ -193,12 +166,65 @@ def test_client_vanishing_mid_round_leaves_trunk_serving(trunk_server_factory):
             raise ConnectionAbortedError("device vanished")
 
     with pytest.raises(ConnectionAbortedError):
-        train_bottom(bottom, lambda: fixed_batches(10), vanishing, epochs=1, lr=LR, on_step=vanish)
+        train_split_client(copy.deepcopy(reference), cut, fixed_batches(10), vanishing, lr=LR,
+                           on_step=vanish)
     assert server.trunk.steps == 3
     # Others (and newcomers) carry on; every trunk step was whole.
-    other_bottom, _ = split(copy.deepcopy(reference), cut)
-    other = open_session(server, cut, "grpc", client="other")
-    report = train_bottom(other_bottom, lambda: fixed_batches(5, seed=2), other, epochs=1, lr=LR)
+    other = open_channel(server, cut, "grpc", client="other")
+    report = train_split_client(copy.deepcopy(reference), cut, fixed_batches(5, seed=2), other,
+                                lr=LR)
     other.close()
     assert report.steps == 5 and server.trunk.steps == 8
     assert all(torch.isfinite(p).all() for p in server.model.parameters())
+
+
+NATIVE_CLIENT = """
+import json, sys
+import grpc, numpy as np
+import trunk_pb2 as pb, trunk_pb2_grpc as rpc
+
+address, token = sys.argv[1], sys.argv[2]
+acts = np.load("acts.npy"); labels = np.load("labels.npy")
+def tensor(a, dtype):  # dtype + shape + little-endian bytes, as trunk.proto says
+    return pb.Tensor(dtype=dtype, shape=list(a.shape), data=a.tobytes())
+request = pb.Request(seq=1, forward=pb.Forward(
+    activations=tensor(acts, pb.FLOAT32), labels=tensor(labels, pb.INT64)))
+with grpc.insecure_channel(address) as channel:
+    reply = next(rpc.TrunkStub(channel).Exchange(
+        iter([request]), metadata=(("x-splitlearn-token", token),), timeout=30))
+grad = np.frombuffer(reply.gradient.grad.data, dtype=np.float32).reshape(
+    reply.gradient.grad.shape)
+print(json.dumps([reply.seq, reply.WhichOneof("kind"), list(grad.shape), reply.gradient.loss]))
+"""
+
+
+def test_a_client_built_from_the_proto_alone_trains(trunk_server_factory, tmp_path):
+    """A native client's view: stubs generated from trunk.proto and nothing else of ours."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+    from grpc_tools import protoc
+
+    proto = Path(__file__).resolve().parents[2] / "splitlearn" / "dataplane" / "trunk.proto"
+    assert protoc.main(["protoc", f"-I{proto.parent}", f"--python_out={tmp_path}",
+                        f"--grpc_python_out={tmp_path}", str(proto)]) == 0
+    reference = digits_like_model("cnn")
+    server = trunk_server_factory(reference)
+    x, y = fixed_batches(1, batch=4)[0]
+    acts = split(copy.deepcopy(reference), 1)[0](x).detach()
+    np.save(tmp_path / "acts.npy", acts.numpy())
+    np.save(tmp_path / "labels.npy", y.numpy())
+    (tmp_path / "client.py").write_text(NATIVE_CLIENT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "client.py", server.service.address, server.token(1)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    seq, kind, shape, loss = json.loads(done.stdout)
+    assert (seq, kind, shape) == (1, "gradient", list(acts.shape))
+    assert loss > 0 and server.trunk.steps == 1

@@ -9,6 +9,18 @@ import pytest
 from tests.integration.test_simulation import read_clients, run_experiment
 
 
+def device_seconds(row: dict[str, str], profile: dict, host_flops_per_s: float) -> float:
+    """A client's virtual time recomputed from its profile and what it measured.
+
+    Independent of the clock's code: compute rescaled by host / device FLOP/s, the
+    bytes over each link, one round trip per exchange (one per batch for SplitFed).
+    """
+    compute = float(row["compute_s"]) * host_flops_per_s / profile["flops_per_s"]
+    up = float(row["bytes_up"]) * 8 / (profile["uplink_mbps"] * 1e6)
+    down = float(row["bytes_down"]) * 8 / (profile["downlink_mbps"] * 1e6)
+    return compute + up + down + float(row["steps"]) * profile["rtt_s"]
+
+
 def test_flaky_network_scenario_times_rounds_and_leaves_out_stragglers(tmp_path):
     run_dir = run_experiment(
         tmp_path, "+scenario=flaky_network", "num_clients=6", "strategy.num_rounds=2",
@@ -16,14 +28,18 @@ def test_flaky_network_scenario_times_rounds_and_leaves_out_stragglers(tmp_path)
     )
     config = json.loads((run_dir / "config.json").read_text())
     deadline = config["failures"]["round_deadline_s"]
+    profiles, host_flops = config["devices"]["profiles"], config["devices"]["host_flops_per_s"]
     rounds = {r["round"]: r for r in json.loads((run_dir / "metrics.json").read_text())}
     rows = read_clients(run_dir)
     assert {row["profile"] for row in rows} <= {"low_end_phone", "mid_range_phone",
                                                  "flagship_phone", "?"}
     timed = [row for row in rows if row["status"] in ("ok", "straggler")]
     assert timed, "some clients must have trained"
-    for row in timed:  # a client is a straggler exactly when it missed the deadline
-        assert (row["status"] == "straggler") == (float(row["virtual_s"]) > deadline)
+    for row in timed:
+        expected = device_seconds(row, profiles[row["profile"]], host_flops)
+        assert float(row["virtual_s"]) == pytest.approx(expected, rel=1e-6)
+        # A client is a straggler exactly when its device would have missed the deadline.
+        assert (row["status"] == "straggler") == (expected > deadline)
     assert any(row["status"] == "straggler" for row in rows), "low-end phones miss 5 s"
     for server_round in (1, 2):
         ok = [r for r in rows if int(r["round"]) == server_round and r["status"] == "ok"]

@@ -2,96 +2,200 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from splitlearn.privacy.budget import BUDGET_STATUS
-from splitlearn.task import STATUS_KEY, SplitTask
-from strategies.privacy import PrivacyBudgetGuard
-from strategies.splitfed import SplitFed, aggregate_split_metrics
+from splitlearn.config import PrivacyConfig, RunSpec
+from splitlearn.dataplane import TokenRegistry
+from strategies.privacy import BUDGET_STATUS, PrivacyBudgetGuard
+from strategies.reporting import ROUND_KEY, STATUS_KEY, RoundOutcome, aggregate_split_metrics
+from strategies.splitfed import DataPlaneAccess, SplitFed, SplitFedV2Options
 
-TASK = SplitTask(
-    server_round=0, cut=1, model="cnn", model_options="{}", dataset="digits", dataset_path="",
-    test_fraction=0.2, image_size=0, partitioner="iid", alpha=0.5, shards_per_partition=2,
-    seed=0, local_epochs=1, batch_size=32, lr=0.05, momentum=0.9, weight_decay=0.0,
-    trunk_address="127.0.0.1:1", token="", max_frame_bytes=1 << 20,
-    privacy="activation_gaussian", privacy_noise_multiplier=1.0, privacy_epsilon_max=10.0,
+SPEC = RunSpec(
+    strategy=SplitFedV2Options(lr=0.05),
+    privacy=PrivacyConfig(name="activation_gaussian", noise_multiplier=1.0, epsilon_max=10.0),
 )
 
 
 @pytest.fixture(autouse=True)
-def run_identity(monkeypatch):
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1, raising=False)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 1, raising=False)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1, raising=False)
+def task_identity() -> Iterator[None]:
+    """Flower stamps messages with the task's identity; set it through the public setters."""
+    keys = ("task_id", "run_id", "node_id")
+    previous = {}
+    for key in keys:
+        try:
+            previous[key] = getattr(TaskIdentity, key)
+        except RuntimeError:  # not set yet
+            previous[key] = None
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    yield
+    for key in keys:
+        setattr(TaskIdentity, key, previous[key])
 
 
-def trained(node: int, weights: np.ndarray, examples: int, epsilon: float) -> Message:
-    request = Message(content=RecordDict(), dst_node_id=node, message_type="train.split")
+def request(node: int) -> Message:
+    return Message(content=RecordDict(), dst_node_id=node, message_type="train.splitfed_v2")
+
+
+def trained(node: int, weights: np.ndarray, examples: int, epsilon: float, *,
+            to: Message | None = None) -> Message:
     content = RecordDict({
         "arrays": ArrayRecord({"0.weight": Array(weights)}),
-        "metrics": MetricRecord({"num-examples": examples, "epsilon": epsilon}),
+        "metrics": MetricRecord({"num-examples": examples, "epsilon": epsilon,
+                                 "partition-id": node - 1}),
     })
-    return Message(content=content, reply_to=request)
+    return Message(content=content, reply_to=to or request(node))
 
 
-def out_of_budget(node: int, epsilon: float) -> Message:
-    request = Message(content=RecordDict(), dst_node_id=node, message_type="train.split")
+def out_of_budget(node: int, epsilon: float, *, to: Message | None = None) -> Message:
     content = RecordDict({
         STATUS_KEY: ConfigRecord({"status": BUDGET_STATUS, "reason": "privacy budget exhausted"}),
-        "metrics": MetricRecord({"partition-id": node, "epsilon": epsilon}),
+        "metrics": MetricRecord({"partition-id": node - 1, "epsilon": epsilon}),
     })
-    return Message(content=content, reply_to=request)
+    return Message(content=content, reply_to=to or request(node))
 
 
-class FakeGrid:
-    def __init__(self, nodes):
+class FakeTrunk:
+    def __init__(self) -> None:
+        self.finished: list[list[str]] = []
+
+    def finish_round(self, finished) -> None:  # noqa: ANN001 - an iterable of node ids
+        self.finished.append(list(finished))
+
+
+class ScriptedGrid(Grid):
+    """Nodes answer by a script; every ``send_and_receive`` call is recorded."""
+
+    def __init__(self, nodes: list[int], answer: Callable[[Message], Message]) -> None:
         self.nodes = nodes
+        self.answer = answer
+        self.calls: list[list[Message]] = []
 
-    def get_node_ids(self):
+    def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
+        messages = list(messages)
+        self.calls.append(messages)
+        return [self.answer(m) for m in messages]
+
+    def get_node_ids(self):  # noqa: ANN201
         return list(self.nodes)
 
+    def set_run(self, run):  # noqa: ANN001, ANN201
+        raise NotImplementedError
 
-def make_guard(**kwargs) -> PrivacyBudgetGuard:
-    inner = SplitFed(task=TASK, issue_token=lambda c, k, r: f"{c}-{r}",
-                     revoke_round=lambda r: None, **kwargs)
-    inner._round_started = time.perf_counter()
+    @property
+    def run(self):  # noqa: ANN201
+        raise NotImplementedError
+
+    def create_message(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        raise NotImplementedError
+
+    def push_messages(self, messages):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+
+def nodes_grid(nodes: list[int]) -> ScriptedGrid:
+    return ScriptedGrid(nodes, lambda m: m)
+
+
+def make_guard(outcomes: list[RoundOutcome] | None = None, **kwargs) -> PrivacyBudgetGuard:
+    kwargs.setdefault("min_available_nodes", 1)
+    kwargs.setdefault("min_train_nodes", 1)
+    inner = SplitFed(
+        protocol="splitfed_v2", spec=SPEC,
+        dataplane=DataPlaneAccess(TokenRegistry(), "127.0.0.1:1", 60.0), trunk=FakeTrunk(),
+        on_round=None if outcomes is None else outcomes.append, **kwargs,
+    )
     return PrivacyBudgetGuard(inner)
 
 
 def test_exhausted_clients_are_recorded_left_out_and_not_sampled_again():
-    guard = make_guard(min_available_nodes=1, min_train_nodes=1)
+    outcomes: list[RoundOutcome] = []
+    guard = make_guard(outcomes)
     w = np.ones((2, 2), dtype=np.float32)
     arrays, metrics = guard.aggregate_train(1, [trained(1, w, 10, 3.0), out_of_budget(2, 9.5)])
     np.testing.assert_allclose(arrays["0.weight"].numpy(), w)
-    assert metrics["epsilon"] == 9.5  # the least private client, trained this round or not
     assert metrics["clients-budget"] == 1 and metrics["num-examples"] == 10
-    # The wrapped strategy's rows (read through the guard) list both clients.
-    statuses = {row["node_id"]: row["status"] for row in guard.client_rows[1]}
-    assert statuses == {"1": "ok", "2": BUDGET_STATUS}
-    messages = guard.configure_train(2, ArrayRecord(), ConfigRecord(), FakeGrid([1, 2, 3]))
+    assert metrics["epsilon"] == 3.0  # of the clients that trained
+    assert guard.exhausted == {2}
+    # The wrapped strategy's report lists both clients, each with its epsilon, so the
+    # reporter can take the least private client's, trained this round or not.
+    [outcome] = outcomes
+    rows = {row["node_id"]: row for row in outcome.rows}
+    assert {n: r["status"] for n, r in rows.items()} == {"1": "ok", "2": BUDGET_STATUS}
+    assert {n: r["epsilon"] for n, r in rows.items()} == {"1": 3.0, "2": 9.5}
+    assert max(r["epsilon"] for r in outcome.rows) == 9.5
+    messages = guard.configure_train(2, ArrayRecord(), ConfigRecord(), nodes_grid([1, 2, 3]))
     assert sorted(m.metadata.dst_node_id for m in messages) == [1, 3]
 
 
 def test_round_where_everyone_is_out_of_budget_keeps_the_weights():
-    guard = make_guard()
-    arrays, metrics = guard.aggregate_train(3, [out_of_budget(1, 9.0), out_of_budget(2, 9.9)])
-    assert arrays is None  # Strategy.start keeps the previous arrays
-    assert metrics["epsilon"] == 9.9 and metrics["clients-budget"] == 2
-    assert guard.train_metrics[3] is metrics  # where the round reporter reads them
-    assert set(guard.exhausted) == {1, 2}
-    assert guard.configure_train(4, ArrayRecord(), ConfigRecord(), FakeGrid([1, 2])) == []
-    arrays, metrics = guard.aggregate_train(4, [])
-    assert arrays is None and metrics["clients-budget"] == 2 and metrics["epsilon"] == 9.9
+    outcomes: list[RoundOutcome] = []
+    guard = make_guard(outcomes)
+    replies = [out_of_budget(1, 9.0), out_of_budget(2, 9.9)]
+    assert guard.aggregate_train(3, replies) == (None, None)  # Strategy.start keeps the arrays
+    assert outcomes[-1].metrics["clients_budget"] == 2
+    assert outcomes[-1].metrics["num_examples"] == 0
+    assert max(r["epsilon"] for r in outcomes[-1].rows) == 9.9
+    assert guard.exhausted == {1, 2}
+    assert guard.configure_train(4, ArrayRecord(), ConfigRecord(), nodes_grid([1, 2])) == []
+    assert guard.aggregate_train(4, []) == (None, None)
+    assert outcomes[-1].server_round == 4 and outcomes[-1].rows == []
+
+
+def test_exhausted_clients_are_never_trained_again_through_flowers_loop():
+    """Round 1: node 2 is out of budget. Round 2: 1 and 3 are too. Round 3: nobody trains."""
+    out_after = {2: 1, 1: 2, 3: 2}  # node -> first round it declines
+
+    def answer(message: Message) -> Message:
+        node = message.metadata.dst_node_id
+        server_round = int(message.content[ROUND_KEY]["server_round"])
+        if server_round >= out_after[node]:
+            return out_of_budget(node, 9.0 + node / 10, to=message)
+        start = message.content["arrays"]["0.weight"].numpy()
+        return trained(node, start + node, 10, float(server_round), to=message)
+
+    grid = ScriptedGrid([1, 2, 3], answer)
+    seen: dict[int, np.ndarray] = {}
+    guard = make_guard(fraction_evaluate=1.0, min_evaluate_nodes=1)
+    start = ArrayRecord({"0.weight": Array(np.zeros((2, 2), dtype=np.float32))})
+    guard.start(grid=grid, initial_arrays=start, num_rounds=3,
+                evaluate_fn=lambda r, a: seen.update({r: a["0.weight"].numpy()}))
+    trained_nodes = [sorted(m.metadata.dst_node_id for m in call) for call in grid.calls]
+    # Train messages per round; no federated evaluation (its calls are empty).
+    assert trained_nodes == [[1, 2, 3], [], [1, 3], [], [], []]
+    assert all(m.metadata.message_type.startswith("train.") for c in grid.calls for m in c)
+    np.testing.assert_allclose(seen[1], np.full((2, 2), 2.0))  # mean of +1 and +3
+    np.testing.assert_allclose(seen[2], seen[1])  # everyone out: weights kept
+    np.testing.assert_allclose(seen[3], seen[1])  # nobody left to train
+    assert guard.exhausted == {1, 2, 3}
 
 
 def test_guard_sends_no_federated_evaluation():
-    guard = make_guard(fraction_evaluate=1.0, min_evaluate_nodes=1, min_available_nodes=1)
-    assert list(guard.configure_evaluate(1, ArrayRecord(), ConfigRecord(), FakeGrid([1]))) == []
+    guard = make_guard(fraction_evaluate=1.0, min_evaluate_nodes=1)
+    grid = nodes_grid([1, 2])
+    # The wrapped strategy would evaluate, so the guard is what turns it off.
+    assert len(list(guard.strategy.configure_evaluate(1, ArrayRecord(), ConfigRecord(), grid))) == 2
+    assert list(guard.configure_evaluate(1, ArrayRecord(), ConfigRecord(), grid)) == []
+
+
+def test_guard_has_no_attribute_passthrough():
+    guard = make_guard()
+    assert not hasattr(guard, "protocol") and guard.strategy.protocol == "splitfed_v2"
 
 
 def test_round_epsilon_is_the_max_over_clients_not_the_average():

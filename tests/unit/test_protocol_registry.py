@@ -2,23 +2,94 @@
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import Iterator
 
-from server.app import PROTOCOLS, make_strategy, start_runtime, stop_runtime
-from splitlearn.config import CONF_DIR, compose_config
+import pytest
+import yaml
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+from omegaconf import OmegaConf
+
+from protocols import PROTOCOLS, check_config, protocol_named
+from server.app import (
+    SplitRuntime,
+    build_trunk,
+    initial_arrays,
+    make_strategy,
+    start_runtime,
+    stop_runtime,
+)
+from splitlearn.config import CONF_DIR, decode_spec, run_spec
+from strategies.privacy import PrivacyBudgetGuard
+from strategies.reporting import ROUND_KEY, SPEC_KEY, ReportingFedAvg
 from strategies.splitfed import SplitFed
+from tests.conftest import small_config
 
 SHIPPED = sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml"))
 
 
-@pytest.fixture
-def runtime_for(tmp_path):
-    runtimes = []
+@pytest.fixture(autouse=True)
+def task_identity() -> Iterator[None]:
+    """Flower stamps messages with the task's identity; set it through the public setters."""
+    keys = ("task_id", "run_id", "node_id")
+    previous = {}
+    for key in keys:
+        try:
+            previous[key] = getattr(TaskIdentity, key)
+        except RuntimeError:  # not set yet
+            previous[key] = None
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    yield
+    for key in keys:
+        setattr(TaskIdentity, key, previous[key])
 
-    def start(*overrides):
-        cfg = compose_config(["logger=none", *overrides])
-        cfg.run_dir = str(tmp_path)
-        runtimes.append(start_runtime(cfg))
+
+class Reporter:
+    """Stands in for the RoundReporter: make_strategy only hands its hook to the strategy."""
+
+    def __init__(self) -> None:
+        self.outcomes = []
+
+    def record_round(self, outcome) -> None:  # noqa: ANN001
+        self.outcomes.append(outcome)
+
+
+class Nodes(Grid):
+    """A grid that only lists nodes (configure_* samples from them)."""
+
+    def __init__(self, nodes: list[int]) -> None:
+        self.nodes = nodes
+
+    def get_node_ids(self):  # noqa: ANN201
+        return list(self.nodes)
+
+    def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    def set_run(self, run):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    @property
+    def run(self):  # noqa: ANN201
+        raise NotImplementedError
+
+    def create_message(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        raise NotImplementedError
+
+    def push_messages(self, messages):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+
+@pytest.fixture
+def runtime_for(tmp_path) -> Iterator:
+    runtimes: list[SplitRuntime] = []
+
+    def start(*overrides: str) -> SplitRuntime:
+        runtimes.append(start_runtime(small_config(*overrides, run_dir=str(tmp_path))))
         return runtimes[-1]
 
     yield start
@@ -26,19 +97,98 @@ def runtime_for(tmp_path):
         stop_runtime(runtime)
 
 
-def test_every_shipped_strategy_is_registered():
-    assert set(SHIPPED) == set(PROTOCOLS)
+def test_every_shipped_strategy_is_a_registered_protocol_and_vice_versa():
+    assert SHIPPED == sorted(PROTOCOLS)
+    for name in SHIPPED:
+        shipped = yaml.safe_load((CONF_DIR / "strategy" / f"{name}.yaml").read_text())
+        assert shipped["name"] == name
+        assert shipped["defaults"][0] == f"{name}_schema"  # typed by the protocol's options
+        assert protocol_named(name) is PROTOCOLS[name] and PROTOCOLS[name].name == name
+
+
+def test_an_unknown_protocol_is_refused_naming_the_accepted_ones():
+    with pytest.raises(ValueError, match=r"strategy.name='nope'.*splitfed_v2"):
+        protocol_named("nope")
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_every_protocol_builds(runtime_for, name):
-    strategy = make_strategy(runtime_for(f"strategy={name}"))
-    assert isinstance(strategy, SplitFed)
-    assert strategy.train_message_type.startswith("train.")
+def test_every_protocol_builds_its_parts_from_the_composed_config(name):
+    protocol = PROTOCOLS[name]
+    cfg = small_config(f"strategy={name}", run_dir="unused")
+    assert OmegaConf.get_type(cfg.strategy) is protocol.options
+    check_config(cfg)
+    trunk, handler, tokens, endpoint = build_trunk(cfg)
+    if protocol.trunk is None:
+        assert handler is None and endpoint.handlers == {}
+    else:
+        assert endpoint.handlers == {name: handler}
+        for method in ("handle", "attach", "detach", "finish_round"):
+            assert callable(getattr(handler, method)), method
+    spec = run_spec(cfg, host_flops_per_s=0.0)
+    assert isinstance(spec.strategy, protocol.options) and spec.strategy.name == name
+    step = protocol.client(trunk.model, spec, cut=cfg.model.cut)
+    assert isinstance(step, protocol.client)
+    assert set(step.state())  # the client side has weights
 
 
-@pytest.mark.parametrize("name", ["ushaped", "local_loss", "fedavg"])
-def test_privacy_is_refused_where_the_client_loop_does_not_apply_it(runtime_for, name):
-    runtime = runtime_for(f"strategy={name}", "privacy=activation_gaussian")
-    with pytest.raises(ValueError, match=f"privacy='activation_gaussian'.*strategy='{name}'"):
-        make_strategy(runtime)
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_protocol_strategy_sends_its_typed_messages(runtime_for, name):
+    protocol = PROTOCOLS[name]
+    runtime = runtime_for(f"strategy={name}")
+    reporter = Reporter()
+    strategy = make_strategy(runtime, reporter)
+    assert isinstance(strategy, protocol.strategy) and isinstance(strategy, ReportingFedAvg)
+    assert strategy.protocol == name and strategy.on_round == reporter.record_round
+    assert isinstance(strategy, SplitFed) == (protocol.trunk is not None)
+    arrays = initial_arrays(runtime)
+    step = protocol.client(runtime.trunk.model, runtime.spec, cut=runtime.spec.model.cut)
+    assert set(arrays) == set(step.state())
+    messages: list[Message] = list(
+        strategy.configure_train(1, arrays, ConfigRecord(), Nodes([1, 2, 3]))
+    )
+    assert len(messages) == 3
+    for message in messages:
+        assert message.metadata.message_type == f"train.{name}"
+        content: RecordDict = message.content
+        # What the ClientApp decodes: the spec against the protocol's schema.
+        spec = decode_spec(str(content["config"][SPEC_KEY]), strategy=protocol.options)
+        assert spec == runtime.spec
+        data = content[ROUND_KEY]
+        assert data["server_round"] == 1 and data["cut"] == runtime.spec.model.cut
+        if protocol.trunk is None:
+            assert "token" not in data
+            continue
+        assert data["trunk_address"] == runtime.service.address
+        grant = runtime.tokens.lookup(str(data["token"]))
+        assert grant.protocol == name and grant.client == str(message.metadata.dst_node_id)
+        assert grant.protocol in runtime.endpoint.handlers  # the trunk serves the session
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_privacy_wraps_every_protocol_in_the_budget_guard(runtime_for, name):
+    runtime = runtime_for(f"strategy={name}", "privacy=dpsgd_client")
+    guard = make_strategy(runtime, Reporter())
+    assert isinstance(guard, PrivacyBudgetGuard)
+    assert isinstance(guard.strategy, PROTOCOLS[name].strategy)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_activation_privacy_is_refused_only_where_no_activations_are_sent(name):
+    cfg = small_config(f"strategy={name}", "privacy=activation_gaussian", run_dir="unused")
+    if PROTOCOLS[name].client.sends_activations:
+        check_config(cfg)
+    else:
+        with pytest.raises(ValueError, match=rf"privacy=activation_gaussian.*strategy={name}"):
+            check_config(cfg)
+
+
+def test_activation_privacy_is_refused_for_fedavg_alone():
+    # Pins the registry's answer, so the test above cannot pass by refusing nothing.
+    refusing = sorted(n for n, p in PROTOCOLS.items() if not p.client.sends_activations)
+    assert refusing == ["fedavg"]
+    assert {"ushaped", "local_loss", "splitfed_v1", "splitfed_v2", "sequential"} <= set(PROTOCOLS)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_client_side_privacy_is_accepted_for_every_protocol(name):
+    check_config(small_config(f"strategy={name}", "privacy=dpsgd_client", run_dir="unused"))

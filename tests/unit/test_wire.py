@@ -1,134 +1,83 @@
-import json
-import struct
+"""Client-side weights in Flower records: ``state_to_record`` / ``record_to_state``.
+
+Data-plane frames are tested with the codec (splitlearn/dataplane); this is the
+control plane's half of the wire: state dicts in ``ArrayRecord`` objects.
+"""
+
+from __future__ import annotations
 
 import pytest
 import torch
+from flwr.app import ArrayRecord
 
-from splitlearn.wire import (
-    MAGIC,
-    FrameError,
-    check_forward_frame,
-    decode_frame,
-    encode_frame,
-    record_to_state,
-    state_to_record,
-)
-
-LIMIT = 1 << 20
-
-
-def forward_frame(acts, labels):
-    return decode_frame(encode_frame("forward", {"activations": acts, "labels": labels}),
-                        max_bytes=1 << 26)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
-def test_round_trip_preserves_dtype_shape_and_values(dtype):
-    t = (torch.randn(3, 4, 5) * 10).to(dtype)
-    frame = decode_frame(encode_frame("gradient", {"grad": t}, {"loss": 1.5}), max_bytes=LIMIT)
-    assert frame.kind == "gradient" and frame.meta == {"loss": 1.5}
-    assert frame.tensors["grad"].dtype == dtype
-    assert torch.equal(frame.tensors["grad"], t)
-
-
-def test_decoded_tensors_are_writable_and_independent():
-    data = encode_frame("forward", {"activations": torch.ones(2, 3)})
-    t = decode_frame(data, max_bytes=LIMIT).tensors["activations"]
-    t.add_(1)  # would fail or warn on a read-only buffer
-    assert torch.equal(decode_frame(data, max_bytes=LIMIT).tensors["activations"], torch.ones(2, 3))
-
-
-def test_empty_and_scalar_tensors():
-    frame = decode_frame(
-        encode_frame("forward", {"a": torch.zeros(0, 3), "b": torch.tensor(2.0)}), max_bytes=LIMIT
-    )
-    assert frame.tensors["a"].shape == (0, 3) and float(frame.tensors["b"]) == 2.0
-
-
-def _raw(header: dict, payload: bytes = b"") -> bytes:
-    h = json.dumps(header).encode()
-    return struct.pack("<4sI", MAGIC, len(h)) + h + payload
-
-
-@pytest.mark.parametrize(
-    ("data", "reason"),
-    [
-        (b"", "shorter than its prefix"),
-        (b"XXXX" + b"\0" * 8, "bad magic"),
-        (struct.pack("<4sI", MAGIC, 10**9) + b"{}", "header length"),
-        (struct.pack("<4sI", MAGIC, 3) + b"{{{", "not valid JSON"),
-        (_raw({"kind": "nope", "tensors": [], "meta": {}}), "kind must be one of"),
-        (_raw({"kind": "forward", "tensors": "x", "meta": {}}), "'tensors' list"),
-        (_raw({"kind": "forward", "tensors": [{"name": "a", "dtype": "int8", "shape": [1]}],
-               "meta": {}}, b"\0"), "dtype 'int8'"),
-        (_raw({"kind": "forward", "tensors": [{"name": "a", "dtype": "float32", "shape": [-1]}],
-               "meta": {}}), "invalid shape"),
-        (_raw({"kind": "forward", "tensors": [{"name": "a", "dtype": "float32", "shape": [4]}],
-               "meta": {}}, b"\0" * 8), "truncated"),
-        (_raw({"kind": "forward", "tensors": [], "meta": {}}, b"\0"), "trailing bytes"),
-    ],
-)
-def test_malformed_frames_are_refused_with_a_reason(data, reason):
-    with pytest.raises(FrameError, match=reason):
-        decode_frame(data, max_bytes=LIMIT)
-
-
-def test_oversized_frame_is_refused_before_parsing():
-    data = encode_frame("forward", {"activations": torch.zeros(LIMIT // 4 + 1)})
-    with pytest.raises(FrameError, match=f"exceeds the limit of {LIMIT} bytes"):
-        decode_frame(data, max_bytes=LIMIT)
-
-
-def test_unsupported_dtype_cannot_be_encoded():
-    with pytest.raises(FrameError, match="unsupported dtype"):
-        encode_frame("forward", {"a": torch.zeros(2, dtype=torch.int8)})
-
-
-CUT = (4, 3, 3)
-
-
-def check(frame, **kw):
-    kw = {"cut_shape": CUT, "num_classes": 10, "max_batch": 8} | kw
-    return check_forward_frame(frame, **kw)
-
-
-def test_valid_forward_frame_passes():
-    acts, labels = check(forward_frame(torch.randn(5, *CUT), torch.arange(5)))
-    assert acts.shape == (5, *CUT) and labels.tolist() == [0, 1, 2, 3, 4]
-
-
-@pytest.mark.parametrize(
-    ("acts", "labels", "reason"),
-    [
-        (torch.randn(5, 4, 3, 2), torch.arange(5), r"expected \(batch, 4, 3, 3\)"),
-        (torch.randn(5, 4, 3, 3, 1), torch.arange(5), "expected"),
-        (torch.ones(5, *CUT, dtype=torch.int64), torch.arange(5), "expected a float dtype"),
-        (torch.full((5, *CUT), float("nan")), torch.arange(5), "NaN or infinite"),
-        (torch.full((5, *CUT), float("inf")), torch.arange(5), "NaN or infinite"),
-        (torch.randn(9, *CUT), torch.arange(9), r"outside \[1, 8\]"),
-        (torch.randn(0, *CUT), torch.arange(0), r"outside \[1, 8\]"),
-        (torch.randn(5, *CUT), torch.arange(4), "labels have dtype"),
-        (torch.randn(5, *CUT), torch.arange(5).float(), "labels have dtype"),
-        (torch.randn(5, *CUT), torch.tensor([0, 1, 2, 3, 10]), r"labels outside \[0, 10\)"),
-        (torch.randn(5, *CUT), torch.tensor([0, 1, 2, 3, -1]), "labels outside"),
-    ],
-)
-def test_forward_frame_violations_name_the_problem(acts, labels, reason):
-    with pytest.raises(FrameError, match=reason):
-        check(forward_frame(acts, labels))
-
-
-def test_missing_tensors_are_named():
-    with pytest.raises(FrameError, match="no 'activations'"):
-        check(decode_frame(encode_frame("forward", {"labels": torch.arange(2)}), max_bytes=LIMIT))
-    with pytest.raises(FrameError, match="no 'labels'"):
-        check(decode_frame(encode_frame("forward", {"activations": torch.randn(2, *CUT)}),
-                           max_bytes=LIMIT))
+from splitlearn.split import bottom_state, load_bottom_state
+from splitlearn.wire import record_to_state, state_to_record
+from tests.conftest import digits_like_model, fixed_batches
 
 
 def test_state_record_round_trip_keeps_buffers_and_dtypes():
     state = {"0.weight": torch.randn(3, 2), "0.num_batches_tracked": torch.tensor(7)}
-    back = record_to_state(state_to_record(state))
+    record = state_to_record(state)
+    assert isinstance(record, ArrayRecord)
+    back = record_to_state(record)
+    assert list(back) == list(state)
     assert torch.equal(back["0.weight"], state["0.weight"])
     assert back["0.num_batches_tracked"].dtype == torch.int64
+    assert back["0.num_batches_tracked"].shape == ()
     assert int(back["0.num_batches_tracked"]) == 7
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(2, 3),
+        torch.randn(4).half(),
+        torch.randn(2, 2).double(),
+        torch.arange(5, dtype=torch.int32),
+        torch.arange(5),
+        torch.tensor([True, False]),
+        torch.zeros(0, 3),
+        torch.tensor(2.5),
+    ],
+    ids=["float32", "float16", "float64", "int32", "int64", "bool", "empty", "scalar"],
+)
+def test_every_dtype_and_shape_survives_the_round_trip(tensor):
+    back = record_to_state(state_to_record({"t": tensor}))["t"]
+    assert back.dtype == tensor.dtype and back.shape == tensor.shape
+    assert torch.equal(back, tensor)
+
+
+def test_a_models_state_with_batch_norm_buffers_loads_back_exactly():
+    model = digits_like_model("resnet")
+    model.train()
+    with torch.no_grad():
+        model(fixed_batches(1, batch=8)[0][0])  # move the running statistics off their init
+    state = bottom_state(model, 3)
+    buffers = [k for k in state if "running_" in k or "num_batches_tracked" in k]
+    assert buffers  # the bottom holds batch-norm buffers
+    back = record_to_state(state_to_record(state))
+    assert back.keys() == state.keys()
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in state.items())
+    other = digits_like_model("resnet", seed=1)
+    load_bottom_state(other, back)
+    assert all(torch.equal(other.state_dict()[f"stages.{k}"], v) for k, v in state.items())
+
+
+def test_parameters_are_detached_and_decoded_tensors_are_independent():
+    model = digits_like_model("cnn")
+    params = dict(model.stages[0].named_parameters())
+    record = state_to_record(params)  # requires_grad tensors are accepted ...
+    first = record_to_state(record)
+    assert not any(t.requires_grad for t in first.values())  # ... and come back as data
+    first["0.weight"].add_(1)  # writable, and owning its memory
+    again = record_to_state(record)
+    assert torch.equal(again["0.weight"], params["0.weight"].detach())
+    with torch.no_grad():
+        params["0.weight"].mul_(2)  # the record does not follow the model either
+    assert torch.equal(record_to_state(record)["0.weight"], again["0.weight"])
+
+
+def test_non_contiguous_tensors_round_trip():
+    t = torch.randn(4, 3).t()
+    assert not t.is_contiguous()
+    assert torch.equal(record_to_state(state_to_record({"t": t}))["t"], t)

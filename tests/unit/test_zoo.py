@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from experiments.zoo import measure_segment_memory
-from splitlearn.config import CONF_DIR, compose_config
+from protocols import compose_config
+from splitlearn.config import CONF_DIR
 from splitlearn.data import describe_dataset
 from splitlearn.models import MODELS, ZOO, SplittableModel, build_model, total_cost
 from splitlearn.models.base import segment_memory_bytes_per_sample

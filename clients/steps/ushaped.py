@@ -1,0 +1,72 @@
+"""The U-shaped step (Vepakomma et al. 2018): head, tail and loss on the device.
+
+The device keeps the head (stages ``[0, cut)``), the tail (``[tail_cut, n)``) and
+the loss, so labels never leave it. Per batch, two exchanges: send the head's
+(released) activations and get the trunk's features; run the tail and the loss,
+send d loss / d features and get the gradient at the cut; step head and tail.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from clients.steps.base import ClientStep, hits
+from splitlearn.calibration import client_train_memory_bytes
+from splitlearn.config import RunSpec
+from splitlearn.dataplane import TrunkChannel
+from splitlearn.models import SplittableModel
+from splitlearn.split import resolve_tail_cut, split_u, ushaped_state
+
+
+class UShapedStep(ClientStep):
+    """Head and tail trained on the device; the trunk runs the stages between."""
+
+    exchanges_per_batch = 2
+
+    def __init__(self, model: SplittableModel, spec: RunSpec, *, cut: int) -> None:
+        super().__init__(model, spec, cut=cut)
+        self.tail_cut = resolve_tail_cut(model, self.cut, spec.strategy.tail_cut)  # type: ignore[attr-defined]
+        self.head, _, self.tail = split_u(model, self.cut, self.tail_cut)
+        self._parts = nn.ModuleList([self.head, self.tail])
+
+    def trained(self) -> nn.Module:
+        """Head and tail."""
+        return self._parts
+
+    def state(self) -> dict[str, Tensor]:
+        """Head and tail stages (keys ``"<stage index>.…"``)."""
+        return ushaped_state(self.model, self.cut, self.tail_cut)
+
+    def memory_bytes(self, batch_size: int) -> int:
+        """Estimate the head's memory plus the tail's saved activations and parameter state."""
+        tail = self.model.stage_costs()[self.tail_cut:]
+        tail_bytes = sum(c.train_memory_bytes_per_sample for c in tail) * batch_size
+        tail_bytes += 3 * 4 * sum(c.params for c in tail)
+        return client_train_memory_bytes(self.model, self.cut, batch_size=batch_size) + tail_bytes
+
+    def train_batch(
+        self, inputs: Tensor, labels: Tensor, channel: TrunkChannel | None,
+        optimizer: torch.optim.Optimizer,
+    ) -> tuple[float, int]:
+        """Head, features from the trunk, tail and loss, gradient back, step."""
+        assert channel is not None
+        activations = self.release(self.head(inputs))
+        features = channel.forward_features(activations.detach()).requires_grad_(True)
+        logits = self.tail(features)
+        loss = nn.functional.cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # the tail's gradients, and d loss / d features for the trunk
+        assert features.grad is not None
+        activations.backward(channel.backward(features.grad))
+        optimizer.step()
+        return float(loss.detach()), hits(logits, labels)
+
+    @torch.no_grad()
+    def evaluate_batch(
+        self, inputs: Tensor, labels: Tensor, channel: TrunkChannel | None
+    ) -> tuple[float, int]:
+        """Head, the trunk's features, tail and loss, all without an update."""
+        assert channel is not None
+        logits = self.tail(channel.evaluate_features(self.release(self.head(inputs))))
+        return float(nn.functional.cross_entropy(logits, labels)), hits(logits, labels)

@@ -1,0 +1,139 @@
+"""The protocol registry: each protocol's parts and options, registered once.
+
+A protocol is a name with four parts:
+
+* ``options``: its typed sub-schema of ``strategy`` (a :class:`StrategyConfig`
+  subclass; ``conf/strategy/NAME.yaml`` extends it as ``NAME_schema``);
+* ``strategy``: its Flower strategy (a :class:`ReportingFedAvg`, usually
+  :class:`SplitFed` plus small overrides);
+* ``client``: its client step, which the one client loop calls per batch;
+* ``trunk``: a factory of its trunk-side session handler, chosen by the protocol
+  named in each session grant (None for a protocol without a data plane).
+
+Message types are ``train.NAME`` and ``evaluate.NAME``. Adding a protocol means
+writing its parts, its yaml and one line in :data:`PROTOCOLS`
+(docs/adding-a-protocol.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+from clients.steps.base import ClientStep
+from clients.steps.local_loss import LocalLossStep
+from clients.steps.split import SplitStep
+from clients.steps.ushaped import UShapedStep
+from clients.steps.whole import WholeModelStep
+from server.sessions.smashed import local_loss_sessions
+from server.sessions.split import per_client_sessions, shared_sessions, splitfed_v2_sessions
+from server.sessions.ushaped import ushaped_sessions
+from server.trunk import Trunk
+from splitlearn.config import CONF_DIR, Config, StrategyConfig, run_spec, to_object
+from splitlearn.dataplane import Limits, SessionHandler
+from strategies.local_loss import LocalLossOptions, LocalLossSplit
+from strategies.reporting import FedAvgOptions, ReportingFedAvg
+from strategies.sequential import SequentialOptions, SequentialSplit
+from strategies.splitfed import SplitFed, SplitFedV1Options, SplitFedV2Options
+from strategies.ushaped import UShapedOptions
+
+#: Builds a protocol's session handler on the trunk from its options and the limits.
+TrunkFactory = Callable[[Trunk, StrategyConfig, Limits], SessionHandler]
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """One protocol's parts (see the module docstring)."""
+
+    name: str
+    options: type[StrategyConfig]
+    strategy: type[ReportingFedAvg]
+    client: type[ClientStep]
+    trunk: TrunkFactory | None
+
+
+PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (
+    Protocol("fedavg", FedAvgOptions, ReportingFedAvg, WholeModelStep, None),
+    Protocol("splitfed_v2", SplitFedV2Options, SplitFed, SplitStep, splitfed_v2_sessions),
+    Protocol("splitfed_v1", SplitFedV1Options, SplitFed, SplitStep, per_client_sessions),
+    Protocol("sequential", SequentialOptions, SequentialSplit, SplitStep, shared_sessions),
+    Protocol("ushaped", UShapedOptions, SplitFed, UShapedStep, ushaped_sessions),
+    Protocol("local_loss", LocalLossOptions, LocalLossSplit, LocalLossStep, local_loss_sessions),
+)}
+
+
+def protocol_named(name: str) -> Protocol:
+    """Return the registered protocol ``name`` (ValueError naming the accepted ones)."""
+    if name not in PROTOCOLS:
+        raise ValueError(f"strategy.name={name!r}; accepted: {sorted(PROTOCOLS)}")
+    return PROTOCOLS[name]
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra's ConfigStore: the whole config and each protocol's."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    for protocol in PROTOCOLS.values():
+        store.store(group="strategy", name=f"{protocol.name}_schema", node=protocol.options)
+
+
+def compose_config(overrides: list[str] | None = None) -> DictConfig:
+    """Compose ``conf/config.yaml`` with Hydra overrides, outside ``@hydra.main``.
+
+    Used by the ServerApp under ``flwr run``, the benchmarks and the tests;
+    ``run_dir`` is left for the caller to set.
+    """
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides or []))
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Refuse, before anything starts, a config that could only fail later.
+
+    Checks the protocol (registered, and the schema its options were composed
+    with), every ``__post_init__`` rule (privacy), the model, its cut and what
+    the protocol's client step needs of it, the dataset and its folder, the
+    device fleet, and that enough clients exist for a round.
+
+    Raises
+    ------
+    ValueError
+        Naming the offending key and what is accepted.
+    """
+    from splitlearn.data import check_dataset_config
+    from splitlearn.models.factory import build_model_from_config
+    from splitlearn.planning.devices import build_fleet
+
+    protocol = protocol_named(cfg.strategy.name)
+    if OmegaConf.get_type(cfg.strategy) is not protocol.options:
+        raise ValueError(
+            f"strategy.name={cfg.strategy.name!r} but the options were composed for "
+            f"{OmegaConf.get_type(cfg.strategy).__name__}; select a protocol with strategy=NAME"
+        )
+    probe = cfg.copy()
+    if OmegaConf.is_missing(probe, "run_dir"):  # the run folder is the caller's, not checked here
+        probe.run_dir = "."
+    config: Config = to_object(probe)  # runs every __post_init__ check
+    check_dataset_config(config.dataset)
+    model = build_model_from_config(config.model, config.dataset)
+    # The client step checks what it needs of the model (cut, tail cut, head).
+    protocol.client(model, run_spec(cfg, host_flops_per_s=0.0), cut=config.model.cut)
+    if config.privacy.name == "activation_gaussian" and not protocol.client.sends_activations:
+        raise ValueError(
+            f"privacy=activation_gaussian protects activations; strategy={protocol.name} sends none"
+        )
+    build_fleet(num_clients=config.num_clients, mix=config.devices.mix,
+                profiles={k: vars(v) for k, v in config.devices.profiles.items()},
+                seed=config.seed)
+    if config.strategy.min_train_nodes > config.num_clients:
+        raise ValueError(
+            f"strategy.min_train_nodes={config.strategy.min_train_nodes} exceeds "
+            f"num_clients={config.num_clients}: no round could start"
+        )

@@ -1,0 +1,288 @@
+"""Split sessions: the client sends activations and labels, the trunk returns the gradient.
+
+Served to every protocol whose trunk holds the loss (SplitFed v1 and v2,
+sequential SL). Which trunk a client trains is the pool's choice:
+
+* :class:`SharedTrunk` (SplitFed v2, sequential): one trunk, a step per batch
+  in arrival order.
+* :class:`TrunkPerClient` (SplitFed v1): each client trains its own copy during
+  a round; at round end the copies of the clients that *finished* are averaged,
+  weighted by samples, into the global trunk, the rest dropped. Copies exist
+  only while their client trains.
+
+:class:`BatchingSplitSession` (SplitFed v2 with ``batch_concurrent``) steps once
+over the batches of every attached session. Its barrier counts the sessions
+actually attached (the Simulation Engine runs only as many clients at once as it
+has resources) and has a timeout, so a slow or vanished client never blocks the
+others.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from server.trunk import Trunk
+from splitlearn.config import StrategyConfig
+from splitlearn.dataplane import trunk_pb2 as pb
+from splitlearn.dataplane.codec import (
+    FrameError,
+    Reason,
+    check_activations,
+    check_labels,
+    encode_tensor,
+    present,
+)
+from splitlearn.dataplane.endpoint import Limits, Session
+
+
+class SharedTrunk:
+    """Every client trains the one trunk."""
+
+    def __init__(self, trunk: Trunk) -> None:
+        self.trunk = trunk
+
+    def trunk_for(self, client: str) -> Trunk:
+        """Return the shared trunk."""
+        return self.trunk
+
+    def finish_round(self, finished: Iterable[str]) -> None:
+        """Nothing to merge: updates were applied as batches arrived."""
+
+
+class TrunkPerClient:
+    """One trunk copy per client and round, merged over the clients that finished."""
+
+    def __init__(self, trunk: Trunk) -> None:
+        self.trunk = trunk
+        self._copies: dict[str, Trunk] = {}
+        self._lock = threading.Lock()
+
+    def trunk_for(self, client: str) -> Trunk:
+        """Return ``client``'s copy, forking the global trunk on first use."""
+        with self._lock:
+            if client not in self._copies:
+                self._copies[client] = self.trunk.fork()
+            return self._copies[client]
+
+    def finish_round(self, finished: Iterable[str]) -> None:
+        """Average the finished clients' copies into the global trunk; drop all copies."""
+        with self._lock:
+            copies, self._copies = self._copies, {}
+        kept = [copies[c] for c in finished if c in copies and copies[c].samples > 0]
+        if not kept:
+            return
+        total = sum(t.samples for t in kept)
+        states = [t.model.state_dict() for t in kept]
+        weights = [t.samples / total for t in kept]
+        merged = {
+            key: sum(s[key].double() * w for s, w in zip(states, weights, strict=True))
+            .to(states[0][key].dtype)
+            for key in states[0]
+        }
+        self.trunk.load(
+            merged, steps=sum(t.steps for t in kept), samples=total,
+            busy_s=sum(t.busy_s for t in kept),
+        )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One batch through the trunk: the cut gradient, per-row losses and hits."""
+
+    grad: Tensor
+    losses: Tensor
+    hits: Tensor
+
+
+def train_on_batch(trunk: Trunk, cut: int, activations: Tensor, labels: Tensor) -> StepResult:
+    """Forward, backward and update the stages above ``cut``; refuse a non-finite step."""
+    acts = activations.detach().requires_grad_(True)
+    with trunk.step(samples=len(labels)):
+        logits = trunk.run(acts, cut)
+        losses = nn.functional.cross_entropy(logits, labels, reduction="none")
+        losses.mean().backward()
+        assert acts.grad is not None
+        if not torch.isfinite(acts.grad).all():
+            raise FrameError(Reason.STEP_NOT_FINITE, "the gradient at the cut is not finite")
+    return StepResult(acts.grad, losses.detach(), logits.argmax(dim=1) == labels)
+
+
+@torch.no_grad()
+def evaluate_batch(trunk: Trunk, cut: int, activations: Tensor, labels: Tensor) -> pb.Metrics:
+    """Mean loss and hits of one batch in eval mode, without an update."""
+    with trunk.forward_only(train=False):
+        logits = trunk.run(activations, cut)
+    loss = float(nn.functional.cross_entropy(logits, labels))
+    return pb.Metrics(loss=loss, correct=int((logits.argmax(dim=1) == labels).sum()))
+
+
+class SplitSession:
+    """Answers ``forward`` with ``gradient`` and ``evaluate`` with ``metrics``.
+
+    Parameters
+    ----------
+    pool : SharedTrunk | TrunkPerClient
+        Which trunk each client trains.
+    limits : Limits
+        Batch size and value bounds for the activations.
+    """
+
+    def __init__(self, pool: SharedTrunk | TrunkPerClient, *, limits: Limits) -> None:
+        self.pool = pool
+        self.limits = limits
+
+    def handle(self, session: Session, request: pb.Request) -> pb.Reply:
+        """Validate the batch against the client's cut, then train or evaluate."""
+        kind = request.WhichOneof("kind")
+        if kind not in ("forward", "evaluate"):
+            raise FrameError(
+                Reason.UNEXPECTED_KIND, f"split sessions send 'forward' or 'evaluate', not {kind!r}"
+            )
+        part = getattr(request, kind)
+        cut, client = session.grant.cut, session.grant.client
+        trunk = self.pool.trunk_for(client)
+        acts = check_activations(
+            present(part, "activations"), cut_shape=trunk.cut_shape(cut),
+            max_batch=self.limits.max_batch, max_bytes=self.limits.max_frame_bytes,
+            max_abs=self.limits.max_abs_value,
+        )
+        labels = check_labels(
+            present(part, "labels"), batch=len(acts), num_classes=trunk.num_classes,
+            max_bytes=self.limits.max_frame_bytes,
+        )
+        if kind == "evaluate":
+            return pb.Reply(metrics=evaluate_batch(trunk, cut, acts, labels))
+        result = self.train(session, trunk, acts, labels)
+        return pb.Reply(gradient=pb.Gradient(
+            grad=encode_tensor(result.grad), loss=float(result.losses.mean()),
+            correct=int(result.hits.sum()),
+        ))
+
+    def train(self, session: Session, trunk: Trunk, acts: Tensor, labels: Tensor) -> StepResult:
+        """Step ``trunk`` on one batch (the hook a batching protocol overrides)."""
+        return train_on_batch(trunk, session.grant.cut, acts, labels)
+
+    def attach(self, session: Session) -> None:
+        """Nothing kept per stream."""
+
+    def detach(self, session: Session) -> None:
+        """Nothing kept per stream."""
+
+    def finish_round(self, finished: Iterable[str]) -> None:
+        """Merge what the pool keeps per client (SplitFed v1)."""
+        self.pool.finish_round(finished)
+
+
+@dataclass
+class Slot:
+    """One client's batch waiting at the barrier."""
+
+    cut: int
+    activations: Tensor
+    labels: Tensor
+    done: threading.Event = field(default_factory=threading.Event)
+    result: StepResult | FrameError | None = None
+
+
+class BatchingSplitSession(SplitSession):
+    """One trunk step over the batches that the attached sessions send together.
+
+    Parameters
+    ----------
+    pool : SharedTrunk
+        The shared trunk.
+    limits : Limits
+        As for :class:`SplitSession`.
+    timeout_s : float
+        Longest a batch waits for the other attached sessions' batches.
+    """
+
+    def __init__(self, pool: SharedTrunk, *, limits: Limits, timeout_s: float) -> None:
+        super().__init__(pool, limits=limits)
+        self.timeout_s = timeout_s
+        self.attached = 0
+        self.steps = 0  # combined steps taken
+        self._pending: list[Slot] = []
+        self._cond = threading.Condition()
+
+    def attach(self, session: Session) -> None:
+        """One more session joins the barrier."""
+        with self._cond:
+            self.attached += 1
+
+    def detach(self, session: Session) -> None:
+        """One session leaves; those waiting for it go ahead."""
+        with self._cond:
+            self.attached -= 1
+            if self._pending and len(self._pending) >= self.attached:
+                self._flush()
+
+    def train(self, session: Session, trunk: Trunk, acts: Tensor, labels: Tensor) -> StepResult:
+        """Wait for the other attached sessions' batches (or the timeout), step together."""
+        slot = Slot(session.grant.cut, acts, labels)
+        with self._cond:
+            self._pending.append(slot)
+            if len(self._pending) >= max(self.attached, 1):
+                self._flush()
+            elif not self._cond.wait_for(slot.done.is_set, timeout=self.timeout_s):
+                self._flush()  # the others are late: go with who is here
+        if isinstance(slot.result, FrameError):
+            raise slot.result
+        assert slot.result is not None
+        return slot.result
+
+    def _flush(self) -> None:
+        """One step per cut over the pending batches (condition held)."""
+        pending, self._pending = self._pending, []
+        for cut in sorted({s.cut for s in pending}):
+            group = [s for s in pending if s.cut == cut]
+            try:
+                results = self.step_group(cut, group)
+            except FrameError as err:
+                results = [err] * len(group)
+            self.steps += 1
+            for slot, result in zip(group, results, strict=True):
+                slot.result = result
+                slot.done.set()
+        self._cond.notify_all()
+
+    def step_group(self, cut: int, group: list[Slot]) -> list[StepResult]:
+        """Step on the union of ``group``'s batches; give each client its own batch's share."""
+        sizes = [len(s.labels) for s in group]
+        step = train_on_batch(
+            self.pool.trunk_for("any"), cut, torch.cat([s.activations for s in group]),
+            torch.cat([s.labels for s in group]),
+        )
+        total = sum(sizes)
+        parts = zip(
+            step.grad.split(sizes), step.losses.split(sizes), step.hits.split(sizes), strict=True
+        )
+        # The union's mean loss weights each row by 1/total; rescale so that each client
+        # receives the gradient of its own batch's mean loss.
+        return [StepResult(g * (total / len(loss)), loss, hit) for g, loss, hit in parts]
+
+
+
+def shared_sessions(trunk: Trunk, options: StrategyConfig, limits: Limits) -> SplitSession:
+    """Split sessions on one shared trunk (sequential SL)."""
+    return SplitSession(SharedTrunk(trunk), limits=limits)
+
+
+def per_client_sessions(trunk: Trunk, options: StrategyConfig, limits: Limits) -> SplitSession:
+    """Split sessions on a trunk copy per client (SplitFed v1)."""
+    return SplitSession(TrunkPerClient(trunk), limits=limits)
+
+
+def splitfed_v2_sessions(trunk: Trunk, options: StrategyConfig, limits: Limits) -> SplitSession:
+    """Split sessions on the shared trunk, batched over connected clients if asked."""
+    if options.batch_concurrent:  # type: ignore[attr-defined]
+        return BatchingSplitSession(
+            SharedTrunk(trunk), limits=limits,
+            timeout_s=options.barrier_timeout_s,  # type: ignore[attr-defined]
+        )
+    return SplitSession(SharedTrunk(trunk), limits=limits)

@@ -1,0 +1,192 @@
+"""U-shaped sessions: the trunk runs the middle stages, two exchanges per batch.
+
+In the U-shaped configuration (Vepakomma et al. 2018, "Split learning for
+health") the device keeps the first stages, the last stages *and* the loss, so
+labels never leave it. Per batch:
+
+1. ``forward`` (activations at the cut, nothing else) -> the trunk runs stages
+   ``[cut, tail_cut)``, keeps the autograd graph for that session and answers
+   ``features`` (its output at ``tail_cut``).
+2. ``backward`` (d loss / d features) -> the trunk backpropagates through the
+   pending graph, steps and answers ``gradient`` (the gradient at the cut).
+
+``evaluate`` is forward-only (eval mode, no graph, no update). A session has at
+most one pending graph: a second ``forward`` replaces it (the abandoned batch
+never stepped the trunk; the reply says so), a ``backward`` without one is
+refused. Pending graphs are dropped when their stream ends or is closed.
+
+Concurrency: forward and step are two frames apart, and another session may step
+the shared trunk in between. The pending graph then holds weights that changed
+in place, so the step recomputes the forward on the current weights from the
+kept activations (batch-norm statistics restored, so they move once per batch):
+the usual bounded staleness of asynchronous split learning. With one session at
+a time nothing changes in between and the kept graph is used as is: exactly
+whole-model SGD.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from server.sessions.split import SharedTrunk
+from server.trunk import Trunk
+from splitlearn.config import StrategyConfig
+from splitlearn.dataplane import trunk_pb2 as pb
+from splitlearn.dataplane.codec import (
+    FrameError,
+    Reason,
+    check_activations,
+    check_gradient,
+    encode_tensor,
+    present,
+)
+from splitlearn.dataplane.endpoint import Limits, Session
+
+
+@dataclass
+class Pending:
+    """One session's batch between its ``forward`` and its ``backward``."""
+
+    cut: int
+    activations: Tensor  # leaf at the cut (requires grad)
+    features: Tensor  # output at the tail cut, graph attached
+    versions: tuple[int, ...]  # in-place versions of the stages' parameters after forward
+
+
+def _versions(tensors: Iterable[Tensor]) -> tuple[int, ...]:
+    # Autograd's own staleness test: an optimiser step bumps a parameter's _version.
+    return tuple(t._version for t in tensors)
+
+
+class UShapedSession:
+    """Answers ``forward``/``evaluate`` with ``features`` and ``backward`` with ``gradient``.
+
+    Parameters
+    ----------
+    pool : SharedTrunk
+        The shared trunk.
+    tail_cut : int
+        The trunk runs stages ``[cut, tail_cut)``; the device keeps the rest.
+    limits : Limits
+        Batch size and value bounds.
+    """
+
+    def __init__(self, pool: SharedTrunk, *, tail_cut: int, limits: Limits) -> None:
+        self.pool = pool
+        self.trunk: Trunk = pool.trunk
+        self.tail_cut = tail_cut
+        self.limits = limits
+        self._pending: dict[str, Pending] = {}
+        self._lock = threading.Lock()
+        #: Forwards whose backward never came before the next forward.
+        self.replaced = 0
+        #: Steps that recomputed their forward because the trunk changed in between.
+        self.recomputed = 0
+
+    @property
+    def pending_sessions(self) -> int:
+        """Sessions holding a graph right now."""
+        with self._lock:
+            return len(self._pending)
+
+    def _params(self, cut: int) -> list[Tensor]:
+        return [p for s in self.trunk.model.stages[cut:self.tail_cut] for p in s.parameters()]
+
+    def handle(self, session: Session, request: pb.Request) -> pb.Reply:
+        """Answer one U-shaped request; nothing label-derived is ever accepted."""
+        kind = request.WhichOneof("kind")
+        cut = session.grant.cut
+        if not cut < self.tail_cut:
+            raise FrameError(Reason.BAD_TENSOR, f"cut {cut} leaves the trunk no stage "
+                             f"below the tail cut {self.tail_cut}")
+        if kind == "backward":
+            grad = self._step(session, request.backward)
+            return pb.Reply(gradient=pb.Gradient(grad=encode_tensor(grad)))
+        if kind not in ("forward", "evaluate"):
+            raise FrameError(Reason.UNEXPECTED_KIND, f"U-shaped sessions send 'forward', "
+                             f"'backward' or 'evaluate', not {kind!r}")
+        part = getattr(request, kind)
+        if part.HasField("labels"):
+            raise FrameError(Reason.BAD_TENSOR, "U-shaped sessions keep labels on the "
+                             f"device: the {kind!r} frame carries labels")
+        acts = check_activations(
+            present(part, "activations"), cut_shape=self.trunk.cut_shape(cut),
+            max_batch=self.limits.max_batch, max_bytes=self.limits.max_frame_bytes,
+            max_abs=self.limits.max_abs_value,
+        )
+        if kind == "evaluate":
+            with torch.no_grad(), self.trunk.forward_only(train=False):
+                features = self.trunk.run(acts, cut, self.tail_cut)
+            return pb.Reply(features=pb.Features(features=encode_tensor(features)))
+        features, replaced = self._forward(session, cut, acts)
+        return pb.Reply(features=pb.Features(
+            features=encode_tensor(features), replaced_pending=replaced))
+
+    def _forward(self, session: Session, cut: int, activations: Tensor) -> tuple[Tensor, bool]:
+        acts = activations.detach().requires_grad_(True)
+        with self.trunk.forward_only(train=True):
+            features = self.trunk.run(acts, cut, self.tail_cut)
+            versions = _versions(self._params(cut))
+        with self._lock:
+            replaced = self._pending.pop(session.token, None) is not None
+            self._pending[session.token] = Pending(cut, acts, features, versions)
+            self.replaced += replaced
+        return features.detach(), replaced
+
+    def _step(self, session: Session, backward: pb.Backward) -> Tensor:
+        with self._lock:
+            pending = self._pending.get(session.token)
+        if pending is None:
+            raise FrameError(Reason.NO_PENDING_FORWARD,
+                             "backward without a pending forward: send the batch's forward first")
+        grad = check_gradient(
+            present(backward, "grad"), shape=pending.features.shape,
+            max_bytes=self.limits.max_frame_bytes, max_abs=self.limits.max_abs_value,
+        )
+        with self._lock:
+            if self._pending.pop(session.token, None) is not pending:
+                raise FrameError(Reason.NO_PENDING_FORWARD,
+                                 "the pending forward was replaced while this backward arrived")
+        return self._apply(pending, grad)
+
+    def _apply(self, pending: Pending, grad: Tensor) -> Tensor:
+        """Backpropagate ``grad`` through the pending forward, step, return the cut gradient."""
+        cut, acts, features = pending.cut, pending.activations, pending.features
+        stages = self.trunk.model.stages[cut:self.tail_cut]
+        with self.trunk.step(samples=len(acts)):
+            restore: list[tuple[Tensor, Tensor]] = []
+            if _versions(self._params(cut)) != pending.versions:
+                self.recomputed += 1
+                restore = [(b, b.detach().clone()) for s in stages for b in s.buffers()]
+                acts = acts.detach().requires_grad_(True)
+                features = self.trunk.run(acts, cut, self.tail_cut)
+            features.backward(grad.to(features.dtype))
+            with torch.no_grad():
+                for buffer, saved in restore:  # this batch's statistics count once
+                    buffer.copy_(saved)
+            assert acts.grad is not None
+            if not torch.isfinite(acts.grad).all():
+                raise FrameError(Reason.STEP_NOT_FINITE, "the gradient at the cut is not finite")
+        return acts.grad
+
+    def attach(self, session: Session) -> None:
+        """Nothing to set up."""
+
+    def detach(self, session: Session) -> None:
+        """Drop the session's pending graph (its backward will never come)."""
+        with self._lock:
+            self._pending.pop(session.token, None)
+
+    def finish_round(self, finished: Iterable[str]) -> None:
+        """Nothing to merge: the shared trunk stepped as batches arrived."""
+
+
+def ushaped_sessions(trunk: Trunk, options: StrategyConfig, limits: Limits) -> UShapedSession:
+    """U-shaped sessions on the shared trunk, up to the configured tail cut."""
+    tail_cut = options.tail_cut or trunk.model.num_stages - 1  # type: ignore[attr-defined]
+    return UShapedSession(SharedTrunk(trunk), tail_cut=tail_cut, limits=limits)

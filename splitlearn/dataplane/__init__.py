@@ -1,0 +1,33 @@
+"""The data plane: per-batch tensors between devices and the server's trunk.
+
+``trunk.proto`` is the contract (compiled to ``trunk_pb2``); :mod:`.codec` checks
+frames, :mod:`.tokens` grants sessions, :mod:`.endpoint` serves them without a
+transport, :mod:`.service` over gRPC, and :mod:`.channel` is the client side.
+"""
+
+from splitlearn.dataplane.channel import (
+    GrpcTransport,
+    InProcessTransport,
+    TrunkChannel,
+    TrunkRejected,
+)
+from splitlearn.dataplane.codec import FrameError, Reason
+from splitlearn.dataplane.endpoint import Limits, Session, SessionHandler, TrunkEndpoint
+from splitlearn.dataplane.service import TrunkService
+from splitlearn.dataplane.tokens import SessionGrant, TokenRegistry
+
+__all__ = [
+    "FrameError",
+    "GrpcTransport",
+    "InProcessTransport",
+    "Limits",
+    "Reason",
+    "Session",
+    "SessionGrant",
+    "SessionHandler",
+    "TokenRegistry",
+    "TrunkChannel",
+    "TrunkEndpoint",
+    "TrunkRejected",
+    "TrunkService",
+]

@@ -1,0 +1,334 @@
+"""The client side of the data plane: one :class:`TrunkChannel` per session.
+
+A channel sends typed requests (``trunk.proto``) and returns the trunk's answers as
+tensors; a ``Refusal`` becomes :class:`TrunkRejected` with its reason. It counts the
+bytes each way and the seconds spent waiting for the trunk, so the client loop can
+tell its own compute from the wait. Two transports move the bytes:
+:class:`GrpcTransport` (a bidirectional stream, with a deadline on the stream and
+on every reply) and :class:`InProcessTransport` (calls a :class:`TrunkEndpoint`
+directly: the same frames and checks, no network), for tests and local runs.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+import grpc
+import torch
+
+from splitlearn.dataplane import trunk_pb2 as pb
+from splitlearn.dataplane.codec import decode_tensor, encode_tensor
+from splitlearn.dataplane.endpoint import SessionRefused, TrunkEndpoint
+from splitlearn.dataplane.service import EXCHANGE_METHOD, TOKEN_METADATA_KEY
+
+#: Largest reply a client accepts (gradients are the size of the activations).
+DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+#: One-way frames (smashed data) a client may have sent but not seen acknowledged.
+DEFAULT_WINDOW = 32
+_END = object()
+
+
+class TrunkRejected(RuntimeError):
+    """The trunk refused a request or the session ended; the message says why."""
+
+
+class Transport(Protocol):
+    """Moves frames to the trunk and its replies back, in order."""
+
+    def send(self, data: bytes) -> None:
+        """Send one request frame."""
+        ...
+
+    def receive(self, timeout_s: float) -> bytes:
+        """Return the next reply frame; raise TrunkRejected if none comes in time."""
+        ...
+
+    def close(self) -> None:
+        """End the session cleanly."""
+        ...
+
+    def abort(self) -> None:
+        """Drop the connection without a clean close, as a vanishing device would."""
+        ...
+
+
+class GrpcTransport:
+    """One gRPC bidirectional stream to the trunk service.
+
+    Parameters
+    ----------
+    address : str
+        ``host:port`` of the trunk service.
+    token : str
+        Session token from the round's Flower message.
+    max_frame_bytes : int
+        Largest frame sent or received.
+    stream_timeout_s : float
+        Deadline of the whole stream (the session's lifetime).
+    root_certificates : bytes, optional
+        PEM root certificates; when given the channel uses TLS.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        stream_timeout_s: float = 3600.0,
+        root_certificates: bytes | None = None,
+    ) -> None:
+        # Headroom above the frame limit: an oversized frame reaches the trunk's own
+        # check and is refused with a reason, not a transport error.
+        options = [
+            ("grpc.max_send_message_length", 2 * max_frame_bytes),
+            ("grpc.max_receive_message_length", 2 * max_frame_bytes),
+        ]
+        if root_certificates is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            creds = grpc.ssl_channel_credentials(root_certificates)
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._replies: queue.SimpleQueue[bytes | TrunkRejected] = queue.SimpleQueue()
+        self._call = self._channel.stream_stream(EXCHANGE_METHOD)(
+            self._request_iterator(), metadata=((TOKEN_METADATA_KEY, token),),
+            timeout=stream_timeout_s,
+        )
+        self._reader = threading.Thread(target=self._read, name="trunk-replies", daemon=True)
+        self._reader.start()
+
+    def _request_iterator(self) -> Iterator[bytes]:
+        while (item := self._requests.get()) is not _END:
+            yield item  # type: ignore[misc]
+
+    def _read(self) -> None:
+        try:
+            for reply in self._call:
+                self._replies.put(reply)
+            self._replies.put(TrunkRejected("the trunk closed the stream"))
+        except grpc.RpcError as err:
+            self._replies.put(TrunkRejected(_describe(err)))
+
+    def send(self, data: bytes) -> None:
+        """Queue one frame on the stream."""
+        self._requests.put(data)
+
+    def receive(self, timeout_s: float) -> bytes:
+        """Return the next reply; cancel the stream if none comes within ``timeout_s``."""
+        try:
+            reply = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            self.abort()
+            raise TrunkRejected(f"no reply from the trunk within {timeout_s:g} s") from None
+        if isinstance(reply, TrunkRejected):
+            self._replies.put(reply)  # every later receive fails the same way
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        """Half-close the stream and release the channel."""
+        self._requests.put(_END)
+        self._channel.close()
+
+    def abort(self) -> None:
+        """Cancel the stream and release the channel."""
+        self._call.cancel()
+        self._channel.close()
+
+
+def _describe(err: grpc.RpcError) -> str:
+    code = err.code()  # type: ignore[attr-defined]
+    if code == grpc.StatusCode.CANCELLED:
+        return "CANCELLED: the trunk closed the session (token revoked or expired, or idle)"
+    return f"{code.name}: {err.details()}"  # type: ignore[attr-defined]
+
+
+class InProcessTransport:
+    """Hands frames to a :class:`TrunkEndpoint` in this process (same frames, same checks).
+
+    Parameters
+    ----------
+    endpoint : TrunkEndpoint
+        The trunk side.
+    token : str
+        Session token.
+    peer : str
+        How refusals name this client in the endpoint's books.
+    """
+
+    def __init__(self, endpoint: TrunkEndpoint, token: str, *, peer: str = "in-process") -> None:
+        self._endpoint = endpoint
+        self._peer = peer
+        self._replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+        try:
+            self._session, self._stream = endpoint.attach(token, self._cancelled.set)
+        except SessionRefused as refused:
+            raise TrunkRejected(f"{refused.code}: {refused}") from None
+
+    def send(self, data: bytes) -> None:
+        """Let the endpoint answer the frame now."""
+        if self._cancelled.is_set():
+            raise TrunkRejected("CANCELLED: the trunk closed the session")
+        self._replies.put(self._endpoint.handle(self._session, data, peer=self._peer))
+
+    def receive(self, timeout_s: float) -> bytes:
+        """Return the next reply (already computed)."""
+        try:
+            return self._replies.get_nowait()
+        except queue.Empty:
+            raise TrunkRejected("no reply pending") from None
+
+    def close(self) -> None:
+        """Detach from the endpoint, as the end of a stream would."""
+        self._endpoint.detach(self._session, self._stream)
+
+    abort = close
+
+
+class TrunkChannel:
+    """Typed requests to the trunk over a transport, with byte and wait accounting.
+
+    Parameters
+    ----------
+    transport : Transport
+        Moves the frames.
+    reply_timeout_s : float
+        Longest wait for any one reply.
+    max_frame_bytes : int
+        Largest reply accepted.
+    window : int
+        One-way requests (``smashed``) in flight before :meth:`send_smashed` waits.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        reply_timeout_s: float = 600.0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        window: int = DEFAULT_WINDOW,
+    ) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.transport = transport
+        self.reply_timeout_s = reply_timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self.window = window
+        self.bytes_up = 0
+        self.bytes_down = 0
+        #: Seconds spent waiting for the trunk (sending, and for replies).
+        self.wait_s = 0.0
+        self._seq = 0
+        self._in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        """One-way requests sent and not yet acknowledged."""
+        return self._in_flight
+
+    def next_seq(self) -> int:
+        """Take the next request sequence number (every request needs a fresh one)."""
+        self._seq += 1
+        return self._seq
+
+    def _send(self, **kind: object) -> None:
+        data = pb.Request(seq=self.next_seq(), **kind).SerializeToString()  # type: ignore[arg-type]
+        started = time.perf_counter()
+        self.transport.send(data)
+        self.wait_s += time.perf_counter() - started
+        self.bytes_up += len(data)
+
+    def _receive(self, expect: str) -> pb.Reply:
+        started = time.perf_counter()
+        data = self.transport.receive(self.reply_timeout_s)
+        self.wait_s += time.perf_counter() - started
+        self.bytes_down += len(data)
+        try:
+            reply = pb.Reply.FromString(data)
+        except Exception as err:  # noqa: BLE001 - a broken reply fails the session
+            raise TrunkRejected(f"undecodable reply: {err}") from None
+        kind = reply.WhichOneof("kind")
+        if kind == "refusal":
+            name = pb.Refusal.Reason.Name(reply.refusal.reason)
+            raise TrunkRejected(f"{name}: {reply.refusal.detail}")
+        if kind != expect:
+            raise TrunkRejected(f"unexpected reply {kind!r}; expected {expect!r}")
+        return reply
+
+    def _call(self, expect: str, **kind: object) -> pb.Reply:
+        self.flush()  # replies come in order: collect the acks of earlier one-way frames
+        self._send(**kind)
+        return self._receive(expect)
+
+    def _tensor(self, msg: pb.Tensor, name: str) -> torch.Tensor:
+        try:
+            return decode_tensor(msg, name=name, max_bytes=self.max_frame_bytes)
+        except ValueError as err:
+            raise TrunkRejected(f"bad {name} in the trunk's reply: {err}") from None
+
+    # --- split: the trunk holds the loss -------------------------------------------
+
+    def forward(
+        self, activations: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, float, int]:
+        """Train on one batch; return the gradient at the cut, the mean loss and hits."""
+        reply = self._call("gradient", forward=pb.Forward(
+            activations=encode_tensor(activations), labels=encode_tensor(labels)))
+        grad = self._tensor(reply.gradient.grad, "grad")
+        return grad, reply.gradient.loss, int(reply.gradient.correct)
+
+    def evaluate(self, activations: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+        """Mean loss and hits of one batch, without an update."""
+        reply = self._call("metrics", evaluate=pb.Evaluate(
+            activations=encode_tensor(activations), labels=encode_tensor(labels)))
+        return reply.metrics.loss, int(reply.metrics.correct)
+
+    # --- U-shaped: labels stay on the device ----------------------------------------
+
+    def forward_features(self, activations: torch.Tensor) -> torch.Tensor:
+        """Send activations (no labels); return the trunk's features (it keeps the graph)."""
+        reply = self._call("features", forward=pb.Forward(activations=encode_tensor(activations)))
+        return self._tensor(reply.features.features, "features")
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor:
+        """Send d loss / d features of the pending batch; return the gradient at the cut."""
+        reply = self._call("gradient", backward=pb.Backward(grad=encode_tensor(grad)))
+        return self._tensor(reply.gradient.grad, "grad")
+
+    def evaluate_features(self, activations: torch.Tensor) -> torch.Tensor:
+        """Return the trunk's features for one batch, without a graph or an update."""
+        reply = self._call("features", evaluate=pb.Evaluate(activations=encode_tensor(activations)))
+        return self._tensor(reply.features.features, "features")
+
+    # --- local loss: one way ---------------------------------------------------------
+
+    def send_smashed(self, activations: torch.Tensor, labels: torch.Tensor) -> None:
+        """Send one batch of smashed data without waiting, unless ``window`` are unacked."""
+        while self._in_flight >= self.window:
+            self._collect_ack()
+        self._send(smashed=pb.Smashed(
+            activations=encode_tensor(activations), labels=encode_tensor(labels)))
+        self._in_flight += 1
+
+    def flush(self) -> None:
+        """Wait for every one-way frame's ack; raise if the trunk refused one."""
+        while self._in_flight:
+            self._collect_ack()
+
+    def _collect_ack(self) -> None:
+        self._in_flight -= 1
+        self._receive("ack")
+
+    def close(self) -> None:
+        """End the session cleanly."""
+        self.transport.close()
+
+    def abort(self) -> None:
+        """Vanish: drop the connection without a clean close."""
+        self.transport.abort()

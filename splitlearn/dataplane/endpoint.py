@@ -1,0 +1,224 @@
+"""The server side of the data plane, transport-free: sessions, limits and refusals.
+
+:class:`TrunkEndpoint` turns request frames into reply frames. It never raises on
+input: a frame that breaks a rule, or that its protocol's handler refuses, is
+answered with a ``Refusal`` naming the reason, and the stream, the trunk and every
+other client carry on. Each token is a :class:`Session`; the protocol named in its
+grant picks the :class:`SessionHandler` that serves it. Transports (the gRPC
+service, the in-process channel) attach a stream to a session, hand it frames and
+detach it; the endpoint closes streams whose token is revoked, expired or idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from splitlearn.dataplane import trunk_pb2 as pb
+from splitlearn.dataplane.codec import FrameError, Reason, decode_request, refusal
+from splitlearn.dataplane.tokens import SessionGrant, TokenRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the endpoint accepts (the ``dataplane`` config group's limits).
+
+    Parameters
+    ----------
+    max_frame_bytes : int
+        Largest request frame.
+    max_batch : int
+        Most rows in a batch.
+    max_abs_value : float
+        Largest finite magnitude accepted in activations and gradients.
+    streams_per_token : int
+        Streams one token may hold open at once; more are refused at once.
+    idle_timeout_s : float
+        A stream without a request for this long is closed.
+    """
+
+    max_frame_bytes: int = 64 * 1024 * 1024
+    max_batch: int = 4096
+    max_abs_value: float = 1e6
+    streams_per_token: int = 1
+    idle_timeout_s: float = 300.0
+
+
+class SessionRefused(Exception):
+    """A stream may not start; ``code`` is the gRPC status name to end it with."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.code = code
+
+
+@dataclass
+class Session:
+    """One token's state on the data plane (it outlives a single stream)."""
+
+    token: str
+    grant: SessionGrant
+    last_seq: int = 0
+    last_active: float = field(default_factory=time.monotonic)
+    streams: dict[int, Callable[[], None]] = field(default_factory=dict)  # id -> cancel
+
+
+class SessionHandler(Protocol):
+    """A protocol's trunk side: answers the requests of the sessions it was granted."""
+
+    def handle(self, session: Session, request: pb.Request) -> pb.Reply:
+        """Answer one request; raise :class:`FrameError` to refuse it (changing nothing)."""
+        ...
+
+    def attach(self, session: Session) -> None:
+        """Note that a stream of ``session`` opened."""
+        ...
+
+    def detach(self, session: Session) -> None:
+        """Note that a stream of ``session`` ended (closed, vanished, revoked or idle)."""
+        ...
+
+
+class TrunkEndpoint:
+    """Sessions, limits and refusals in front of the protocols' session handlers.
+
+    Parameters
+    ----------
+    handlers : Mapping[str, SessionHandler]
+        Protocol name (as in a grant) -> its handler.
+    tokens : TokenRegistry
+        Checked on every frame; revocation closes the round's streams.
+    limits : Limits
+        What is accepted.
+    """
+
+    def __init__(
+        self, handlers: Mapping[str, SessionHandler], tokens: TokenRegistry, *, limits: Limits
+    ) -> None:
+        self.handlers = dict(handlers)
+        self.tokens = tokens
+        self.limits = limits
+        #: Refused frames per peer (who sent them, not whom the token names).
+        self.refusals: Counter[str] = Counter()
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self._next_stream = 0
+        tokens.on_revoke(self._close_tokens)
+
+    def attach(self, token: str | None, cancel: Callable[[], None]) -> tuple[Session, int]:
+        """Open a stream on ``token``; return its session and stream id.
+
+        Raises
+        ------
+        SessionRefused
+            ``UNAUTHENTICATED`` for a bad token, ``RESOURCE_EXHAUSTED`` when the
+            token already holds its streams.
+        """
+        grant = self.tokens.lookup(token)
+        if grant is None or grant.protocol not in self.handlers:
+            raise SessionRefused(
+                "UNAUTHENTICATED", "session token rejected: unknown, expired or revoked"
+            )
+        assert token is not None
+        with self._lock:
+            session = self._sessions.setdefault(token, Session(token, grant))
+            if len(session.streams) >= self.limits.streams_per_token:
+                raise SessionRefused(
+                    "RESOURCE_EXHAUSTED", f"this token already holds "
+                    f"{len(session.streams)} stream(s), the limit"
+                )
+            self._next_stream += 1
+            stream = self._next_stream
+            session.streams[stream] = cancel
+            session.last_active = time.monotonic()
+        self.handlers[grant.protocol].attach(session)
+        return session, stream
+
+    def detach(self, session: Session, stream: int) -> None:
+        """End one stream of ``session`` (idempotent)."""
+        with self._lock:
+            if session.streams.pop(stream, None) is None:
+                return
+        self.handlers[session.grant.protocol].detach(session)
+
+    def handle(self, session: Session, data: bytes, *, peer: str) -> bytes:
+        """Answer one request frame of ``session``; never raises."""
+        seq = 0
+        try:
+            if self.tokens.lookup(session.token) is None:
+                raise FrameError(
+                    Reason.TOKEN_REJECTED, "session token rejected: expired or revoked"
+                )
+            request = decode_request(data, max_bytes=self.limits.max_frame_bytes)
+            seq = request.seq
+            with self._lock:
+                if seq <= session.last_seq:
+                    raise FrameError(
+                        Reason.REPLAYED, f"seq {seq} is not above {session.last_seq}, the "
+                        "last seen on this session"
+                    )
+                session.last_seq = seq
+                session.last_active = time.monotonic()
+            reply = self.handlers[session.grant.protocol].handle(session, request)
+        except FrameError as err:
+            reply = self._refuse(seq, err, session, peer)
+        except Exception as err:  # noqa: BLE001 - a bug must not end the stream or the trunk
+            log.exception("data plane: the handler failed on a frame from %s", peer)
+            reply = self._refuse(seq, FrameError(Reason.INTERNAL, repr(err)), session, peer)
+        reply.seq = seq
+        return reply.SerializeToString()
+
+    def _refuse(self, seq: int, err: FrameError, session: Session, peer: str) -> pb.Reply:
+        self.refusals[peer] += 1
+        log.warning(
+            "data plane: refused a frame from %s (token of client %s): %s: %s",
+            peer, session.grant.client, err.reason_name, err,
+        )
+        return refusal(seq, err.reason, str(err))
+
+    def close_idle(self) -> int:
+        """Close the streams idle longer than the limit or whose token died; return how many."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [
+                s for s in self._sessions.values()
+                if s.streams and (now - s.last_active > self.limits.idle_timeout_s
+                                  or self.tokens.lookup(s.token) is None)
+            ]
+        for session in stale:
+            self._cancel(session)
+        self._forget_dead_sessions()
+        return len(stale)
+
+    def _close_tokens(self, tokens: list[str]) -> None:
+        with self._lock:
+            sessions = [self._sessions[t] for t in tokens if t in self._sessions]
+        for session in sessions:
+            self._cancel(session)
+        self._forget_dead_sessions()
+
+    def _cancel(self, session: Session) -> None:
+        with self._lock:
+            streams = list(session.streams.items())
+        for stream, cancel in streams:
+            cancel()
+            self.detach(session, stream)
+
+    def _forget_dead_sessions(self) -> None:
+        with self._lock:
+            for token in [t for t, s in self._sessions.items()
+                          if not s.streams and self.tokens.lookup(t) is None]:
+                del self._sessions[token]
+
+    @property
+    def open_sessions(self) -> int:
+        """Sessions with at least one open stream."""
+        with self._lock:
+            return sum(bool(s.streams) for s in self._sessions.values())

@@ -1,0 +1,76 @@
+"""Session tokens: what the ServerApp grants a client for one round on the data plane."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SessionGrant:
+    """What a token entitles its holder to.
+
+    Parameters
+    ----------
+    client : str
+        Client (Flower node) id the token was issued to.
+    protocol : str
+        The protocol whose session handler serves the token's streams.
+    cut : int
+        The client's cut: activations must have the shape of that cut.
+    server_round : int
+        Round the token belongs to; it is revoked when the round ends.
+    expires_at : float
+        ``time.monotonic()`` deadline.
+    """
+
+    client: str
+    protocol: str
+    cut: int
+    server_round: int
+    expires_at: float
+
+
+class TokenRegistry:
+    """Issues, checks and revokes per-round session tokens (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._grants: dict[str, SessionGrant] = {}
+        self._lock = threading.Lock()
+        self._revoke_listeners: list[Callable[[list[str]], None]] = []
+
+    def issue(
+        self, *, client: str, protocol: str, cut: int, server_round: int, ttl_s: float
+    ) -> str:
+        """Return a fresh random token for ``client`` valid for ``ttl_s`` seconds."""
+        token = secrets.token_urlsafe(24)
+        grant = SessionGrant(client, protocol, cut, server_round, time.monotonic() + ttl_s)
+        with self._lock:
+            self._grants[token] = grant
+        return token
+
+    def lookup(self, token: str | None) -> SessionGrant | None:
+        """Return the grant of a valid token, or None if unknown, expired or revoked."""
+        with self._lock:
+            grant = self._grants.get(token) if token else None
+        if grant is None or grant.expires_at < time.monotonic():
+            return None
+        return grant
+
+    def revoke_round(self, server_round: int) -> None:
+        """Invalidate every token of ``server_round`` and older; tell the listeners."""
+        with self._lock:
+            revoked = [t for t, g in self._grants.items() if g.server_round <= server_round]
+            for token in revoked:
+                del self._grants[token]
+            listeners = list(self._revoke_listeners)
+        for listener in listeners:
+            listener(revoked)
+
+    def on_revoke(self, listener: Callable[[list[str]], None]) -> None:
+        """Call ``listener`` with the tokens each :meth:`revoke_round` invalidates."""
+        with self._lock:
+            self._revoke_listeners.append(listener)

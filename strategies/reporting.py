@@ -1,0 +1,241 @@
+"""A FedAvg that reports: every protocol's strategy starts from :class:`ReportingFedAvg`.
+
+Flower's FedAvg samples clients, sends them the global (here: client-side) arrays
+and averages the replies by examples. This adds what every protocol reports the
+same way, at FedAvg's own hooks:
+
+* messages typed ``train.<protocol>`` / ``evaluate.<protocol>`` that carry the run
+  spec (built once per run) and the round's data (round, cut) as two records;
+* a status per reply, read from its ``status`` record (a client that declined,
+  vanished or was refused says so); only an error reply with no record is
+  ``failed``, and a reply past ``round_deadline_s`` virtual seconds is a
+  ``straggler``. Only ``ok`` replies are averaged, so nothing of a client's
+  partial work reaches the weights;
+* a :class:`RoundOutcome` per round (a row per sampled client and the aggregated
+  metrics) handed to the ``on_round`` hook, which is how the reporter learns it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from logging import INFO
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from splitlearn.config import RunSpec, StrategyConfig, encode_spec
+
+#: Reply record of a client that did not finish: ``status`` and ``reason``.
+STATUS_KEY = "status"
+#: Message record of the round's data (round, cut and, for split protocols, the session).
+ROUND_KEY = "round"
+#: Key of the run spec inside the message's config record.
+SPEC_KEY = "run-spec"
+#: Statuses a reply can have, in report order.
+STATUSES = ("ok", "straggler", "unavailable", "dropout", "memory", "refused", "budget", "failed")
+#: Metrics summed over clients (the rest are averaged, weighted by examples).
+SUMMED_METRICS = ("num-examples", "steps", "bytes-up", "bytes-down", "compute-s")
+#: Metrics whose round value is the worst client's (the slowest device sets the pace).
+MAX_METRICS = ("virtual-s", "epsilon")
+#: Per-client labels, meaningless when averaged.
+CLIENT_ONLY_METRICS = ("partition-id", "cut")
+
+
+@dataclass
+class FedAvgOptions(StrategyConfig):
+    """The FedAvg baseline (McMahan et al. 2017): the whole model on every device."""
+
+    name: str = "fedavg"
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What one training round produced, for whoever reports it.
+
+    Parameters
+    ----------
+    server_round : int
+        The round.
+    rows : list[dict[str, Any]]
+        One per sampled client: its status, reason, and metrics.
+    metrics : dict[str, float]
+        Aggregated metrics of the finished clients plus counts per status.
+    parallel : bool
+        Whether the clients trained at the same time (else their times add up).
+    """
+
+    server_round: int
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    parallel: bool = True
+
+
+def reply_metrics(reply: Message) -> MetricRecord:
+    """Return the reply's MetricRecord (empty for an error reply)."""
+    if reply.has_error():
+        return MetricRecord()
+    return next(iter(reply.content.metric_records.values()), MetricRecord())
+
+
+def reply_status(reply: Message, *, deadline_s: float | None) -> str:
+    """Return the reply's status: its status record, ``failed``, ``straggler`` or ``ok``."""
+    if reply.has_error():
+        return "failed"
+    declined = reply.content.config_records.get(STATUS_KEY)
+    if declined is not None:
+        return str(declined["status"])
+    if deadline_s is not None and float(reply_metrics(reply).get("virtual-s", 0.0)) > deadline_s:
+        return "straggler"
+    return "ok"
+
+
+def client_row(reply: Message, status: str) -> dict[str, Any]:
+    """Return the per-client table row for ``reply``."""
+    node = str(reply.metadata.src_node_id)
+    row: dict[str, Any] = {"client": node, "node_id": node, "status": status}
+    if reply.has_error():
+        lines = reply.error.reason.strip().splitlines()  # the last line names the error
+        return row | {"reason": lines[-1][:200] if lines else ""}
+    if (declined := reply.content.config_records.get(STATUS_KEY)) is not None:
+        row["reason"] = str(declined["reason"])
+    metrics = reply_metrics(reply)
+    # Partition ids are short and stable across runs; node ids are neither.
+    if "partition-id" in metrics:
+        row["partition_id"] = int(metrics["partition-id"])
+        row["client"] = str(row["partition_id"])
+    return row | {k.replace("-", "_"): v for k, v in metrics.items() if k != "partition-id"}
+
+
+def aggregate_split_metrics(records: list[RecordDict], weighting_key: str) -> MetricRecord:
+    """Sum counts, bytes and seconds; take the worst of times and epsilon; average the rest."""
+    totals: dict[str, float] = {}
+    first = [next(iter(r.metric_records.values())) for r in records]
+    weight_sum = sum(float(m[weighting_key]) for m in first) or 1.0
+    for metrics in first:
+        weight = float(metrics[weighting_key]) / weight_sum
+        for key, value in metrics.items():
+            if key in CLIENT_ONLY_METRICS:
+                continue
+            if key in MAX_METRICS:
+                totals[key] = max(totals.get(key, float("-inf")), float(value))
+                continue
+            share = float(value) if key in SUMMED_METRICS else float(value) * weight
+            totals[key] = totals.get(key, 0.0) + share
+    totals["clients"] = float(len(records))
+    return MetricRecord(totals)
+
+
+class ReportingFedAvg(FedAvg):
+    """Flower's FedAvg with per-client reporting, statuses and ``<kind>.<protocol>`` messages.
+
+    Parameters
+    ----------
+    protocol : str
+        The protocol's name: message types are ``train.<protocol>`` and
+        ``evaluate.<protocol>``.
+    spec : RunSpec
+        What clients need of the run (sent with every message).
+    on_round : Callable[[RoundOutcome], None], optional
+        Called once per training round with its outcome.
+    round_deadline_s : float, optional
+        Virtual seconds; a client reporting a longer ``virtual-s`` is a straggler.
+    **fedavg_kwargs : Any
+        Passed to :class:`flwr.serverapp.strategy.FedAvg`.
+    """
+
+    #: Whether the sampled clients train at the same time (the virtual clock then
+    #: takes the slowest) or one after another (their times add up).
+    clients_in_parallel = True
+
+    def __init__(
+        self,
+        *,
+        protocol: str,
+        spec: RunSpec,
+        on_round: Callable[[RoundOutcome], None] | None = None,
+        round_deadline_s: float | None = None,
+        **fedavg_kwargs: Any,
+    ) -> None:
+        fedavg_kwargs.setdefault("train_metrics_aggr_fn", aggregate_split_metrics)
+        super().__init__(**fedavg_kwargs)
+        self.protocol = protocol
+        self.spec = spec
+        self.on_round = on_round
+        self.round_deadline_s = round_deadline_s
+        self._spec_text = encode_spec(spec)  # the same for every message of the run
+        self._round_started = 0.0
+
+    def summary(self) -> None:
+        """Log FedAvg's settings plus the protocol's."""
+        super().summary()
+        log(INFO, "\t└──> Protocol %s: model %s, cut %d", self.protocol,
+            self.spec.model._target_ or self.spec.model.name, self.spec.model.cut)
+
+    def wrap_grid(self, grid: Grid) -> Grid:
+        """Return the grid this protocol sends through (a hook: sequential SL takes turns)."""
+        return grid
+
+    def start(self, *, grid: Grid, **kwargs: Any) -> Any:
+        """Flower's loop, over :meth:`wrap_grid`'s grid."""
+        return super().start(grid=self.wrap_grid(grid), **kwargs)
+
+    def round_record(self, node: int, server_round: int) -> dict[str, Any]:
+        """Return the round's data for one client (split protocols add a session)."""
+        return {"server_round": server_round, "cut": self.spec.model.cut}
+
+    def _typed(self, message: Message, server_round: int, kind: str) -> Message:
+        node = message.metadata.dst_node_id
+        config = ConfigRecord({**message.content[self.configrecord_key], SPEC_KEY: self._spec_text})
+        content = RecordDict({
+            self.arrayrecord_key: message.content[self.arrayrecord_key],
+            self.configrecord_key: config,
+            ROUND_KEY: ConfigRecord(self.round_record(node, server_round)),
+        })
+        return Message(content=content, dst_node_id=node, message_type=f"{kind}.{self.protocol}")
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample as FedAvg does; type each message and give it the round's data."""
+        messages = super().configure_train(server_round, arrays, config, grid)
+        self._round_started = time.perf_counter()
+        return [self._typed(m, server_round, "train") for m in messages]
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Federated evaluation (off unless ``fraction_evaluate`` > 0), typed like training."""
+        messages = super().configure_evaluate(server_round, arrays, config, grid)
+        return [self._typed(m, server_round, "evaluate") for m in messages]
+
+    def finish_round(self, server_round: int, finished: list[Message]) -> None:
+        """Settle the round with its finished replies, before they are averaged (a hook)."""
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Record every client, average those that finished, report the round."""
+        replies = list(replies)
+        round_train_s = time.perf_counter() - self._round_started
+        statuses = [reply_status(r, deadline_s=self.round_deadline_s) for r in replies]
+        finished = [r for r, s in zip(replies, statuses, strict=True) if s == "ok"]
+        self.finish_round(server_round, finished)
+        arrays, metrics = super().aggregate_train(server_round, finished)
+        report = dict(metrics or {"num-examples": 0.0})
+        for status in STATUSES[1:]:
+            report[f"clients-{status}"] = statuses.count(status)
+        report["failed-clients"] = len(replies) - len(finished)
+        # Server-side wall time from sending the round to having every reply.
+        report["round-train-s"] = round_train_s
+        if self.on_round is not None:
+            self.on_round(RoundOutcome(
+                server_round, [client_row(r, s) for r, s in zip(replies, statuses, strict=True)],
+                {k.replace("-", "_"): float(v) for k, v in report.items()},
+                self.clients_in_parallel,
+            ))
+        return arrays, (MetricRecord(report) if metrics is not None else None)

@@ -1,0 +1,64 @@
+"""Reference maths and small drivers shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from clients.loop import TrainReport, train_round
+from clients.steps.split import SplitStep
+from splitlearn.config import PrivacyConfig, RunSpec
+from splitlearn.dataplane import TrunkChannel
+from splitlearn.dataplane import trunk_pb2 as pb
+from splitlearn.models import SplittableModel
+from splitlearn.privacy import ClientPrivacy
+from strategies.splitfed import SplitFedV2Options
+
+
+def train_whole(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]], lr: float) -> None:
+    """Plain SGD on the whole model: the reference split training must equal."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    model.train()
+    for x, y in batches:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    """Largest absolute difference between two models' floating-point state."""
+    return max(
+        (pa - pb).abs().max().item()
+        for pa, pb in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+        if pa.is_floating_point()
+    )
+
+
+def plain_spec(lr: float, *, momentum: float = 0.0, **options) -> RunSpec:
+    """A run spec with plain SGD (what makes split training equal whole-model SGD)."""
+    return RunSpec(strategy=SplitFedV2Options(lr=lr, momentum=momentum, **options))
+
+
+def train_split_client(
+    model: SplittableModel, cut: int, batches: Sequence[tuple[Tensor, Tensor]],
+    channel: TrunkChannel, *, lr: float, on_step: Callable[[int], None] | None = None,
+) -> TrainReport:
+    """One epoch of the split protocol's client step over ``batches`` (``model`` trained)."""
+    spec = plain_spec(lr)
+    step = SplitStep(model, spec, cut=cut)
+    return train_round(step, channel, ClientPrivacy(PrivacyConfig(), batches), epochs=1,
+                       on_step=on_step)
+
+
+def send_raw(channel: TrunkChannel, data: bytes) -> pb.Reply:
+    """Send raw bytes on a channel's transport; return the trunk's reply."""
+    channel.transport.send(data)
+    return pb.Reply.FromString(channel.transport.receive(30.0))
+
+
+def deep_copy(model: SplittableModel) -> SplittableModel:
+    """An independent copy (readability at call sites)."""
+    return copy.deepcopy(model)

@@ -1,0 +1,324 @@
+"""The one client loop (clients/loop.py) over an in-process data-plane channel."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from clients.loop import evaluate_round, train_round
+from clients.steps.base import ClientStep
+from clients.steps.local_loss import SMASHED_RECORD_KEY, LocalLossStep
+from clients.steps.split import SplitStep
+from clients.steps.ushaped import UShapedStep
+from clients.steps.whole import WholeModelStep
+from server.sessions.split import splitfed_v2_sessions
+from splitlearn.config import PrivacyConfig, RunSpec
+from splitlearn.dataplane import InProcessTransport, TrunkChannel, TrunkEndpoint
+from splitlearn.dataplane import trunk_pb2 as pb
+from splitlearn.planning.clock import ClientMeasurement
+from splitlearn.privacy import ClientPrivacy, make_client_privacy
+from splitlearn.split import split
+from strategies.local_loss import LocalLossOptions
+from strategies.reporting import FedAvgOptions
+from strategies.splitfed import SplitFedV2Options
+from strategies.ushaped import UShapedOptions
+from tests.conftest import digits_like_model, fixed_batches
+from tests.helpers import max_param_diff, train_whole
+
+
+class RecordingTransport(InProcessTransport):
+    """The in-process transport, keeping every frame sent and every reply received."""
+
+    def __init__(self, endpoint: TrunkEndpoint, token: str) -> None:
+        super().__init__(endpoint, token)
+        self.sent: list[bytes] = []
+        self.received: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
+        super().send(data)
+
+    def receive(self, timeout_s: float) -> bytes:
+        data = super().receive(timeout_s)
+        self.received.append(data)
+        return data
+
+    def kinds(self) -> list[str]:
+        return [pb.Request.FromString(d).WhichOneof("kind") for d in self.sent]
+
+
+def recording_channel(server, cut: int = 1) -> tuple[TrunkChannel, RecordingTransport]:
+    transport = RecordingTransport(server.endpoint, server.token(cut))
+    return TrunkChannel(transport), transport
+
+
+def plain(batches) -> ClientPrivacy:
+    """privacy=none over fixed batches."""
+    return ClientPrivacy(PrivacyConfig(), batches)
+
+
+class BatchLog:
+    """Stands in for the pacer: keeps each batch's measurement and the channel's wait so far."""
+
+    def __init__(self, channel: TrunkChannel) -> None:
+        self.channel = channel
+        self.batches: list[tuple[ClientMeasurement, float, float]] = []
+
+    def after_batch(self, work: ClientMeasurement, *, wall_s: float) -> None:
+        self.batches.append((work, wall_s, self.channel.wait_s))
+
+
+class SlowTrunk:
+    """A session handler that holds every request until the test's gate opens (or times out)."""
+
+    def __init__(self, inner, gate: threading.Event, hold_s: float) -> None:
+        self.inner, self.gate, self.hold_s = inner, gate, hold_s
+        self.blocked_s: list[float] = []
+
+    def handle(self, session, request):
+        started = time.perf_counter()
+        self.gate.wait(self.hold_s)  # the gate stays shut: the trunk is slow
+        self.blocked_s.append(time.perf_counter() - started)
+        return self.inner.handle(session, request)
+
+    def attach(self, session):
+        self.inner.attach(session)
+
+    def detach(self, session):
+        self.inner.detach(session)
+
+    def finish_round(self, finished):
+        self.inner.finish_round(finished)
+
+
+def test_compute_excludes_the_time_waiting_for_the_trunk(trunk_server_factory):
+    gate = threading.Event()
+    options = SplitFedV2Options(lr=0.1)
+    server = trunk_server_factory(
+        digits_like_model(), options=options,
+        handler=lambda trunk, limits: SlowTrunk(splitfed_v2_sessions(trunk, options, limits),
+                                                gate, hold_s=0.02),
+    )
+    model = digits_like_model()
+    channel, _ = recording_channel(server)
+    log = BatchLog(channel)
+    step = SplitStep(model, RunSpec(strategy=options), cut=1)
+    report = train_round(step, channel, plain(fixed_batches(4)), epochs=1,
+                         pacer=log)  # type: ignore[arg-type]
+    blocked = server.handler.blocked_s
+    assert report.steps == len(log.batches) == len(blocked) == 4
+    waited_before = 0.0
+    for (work, wall, waited), held in zip(log.batches, blocked, strict=True):
+        wait = waited - waited_before
+        waited_before = waited
+        assert wait >= held > 0  # the channel's wait covers the trunk's hold ...
+        assert work.compute_s == pytest.approx(wall - wait, abs=1e-9)  # ... compute does not
+        assert 0 < work.compute_s <= wall - held
+    # The loop's books: compute plus waiting is the batches' time, within the round's.
+    assert sum(work.compute_s for work, _, _ in log.batches) == pytest.approx(report.compute_s)
+    assert report.compute_s + channel.wait_s == pytest.approx(
+        sum(wall for _, wall, _ in log.batches), abs=1e-9)
+    assert report.compute_s + channel.wait_s <= report.wall_s
+    assert report.compute_s <= report.wall_s - sum(blocked)
+
+
+def test_on_step_sees_every_step_and_its_exception_aborts_the_round(trunk_server_factory):
+    options = SplitFedV2Options(lr=0.1)
+    server = trunk_server_factory(digits_like_model(), options=options)
+    seen: list[int] = []
+    channel, _ = recording_channel(server)
+    step = SplitStep(digits_like_model(), RunSpec(strategy=options), cut=1)
+    report = train_round(step, channel, plain(fixed_batches(3)), epochs=2, on_step=seen.append)
+    assert seen == [1, 2, 3, 4, 5, 6] and report.steps == 6
+
+    class Vanished(RuntimeError):
+        pass
+
+    def vanish_at_two(n: int) -> None:
+        seen.append(n)
+        if n == 2:
+            raise Vanished(n)
+
+    seen.clear()
+    server = trunk_server_factory(digits_like_model(), options=options)
+    channel, transport = recording_channel(server)
+    step = SplitStep(digits_like_model(), RunSpec(strategy=options), cut=1)
+    with pytest.raises(Vanished):
+        train_round(step, channel, plain(fixed_batches(5)), epochs=1, on_step=vanish_at_two)
+    assert seen == [1, 2]
+    assert len(transport.sent) == 2 and server.trunk.steps == 2  # nothing after the abort
+
+
+CASES = {
+    "splitfed_v2": ("splitfed_v2", SplitStep, SplitFedV2Options(lr=0.1)),
+    "ushaped": ("ushaped", UShapedStep, UShapedOptions(lr=0.1)),
+    "local_loss": ("local_loss", LocalLossStep, LocalLossOptions(lr=0.1)),
+    "local_loss_bulk": ("local_loss", LocalLossStep, LocalLossOptions(lr=0.1, bulk=True)),
+    "fedavg": (None, WholeModelStep, FedAvgOptions(lr=0.1)),
+}
+#: Round trips for N batches, from each protocol's definition.
+EXPECTED_EXCHANGES = {
+    "splitfed_v2": lambda n: n,  # forward -> gradient
+    "ushaped": lambda n: 2 * n,  # forward -> features, backward -> gradient
+    "local_loss": lambda n: 1,  # one-way frames; the last ack costs one round trip
+    "local_loss_bulk": lambda n: 0,  # rides the Flower reply
+    "fedavg": lambda n: 1,  # weights down and up
+}
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exchanges_and_bytes_follow_the_protocol(trunk_server_factory, case):
+    protocol, step_class, options = CASES[case]
+    model = digits_like_model()
+    step: ClientStep = step_class(model, RunSpec(strategy=options), cut=1)
+    channel = transport = None
+    if step.needs_channel:
+        server = trunk_server_factory(digits_like_model(), protocol=protocol, options=options)
+        channel, transport = recording_channel(server)
+    report = train_round(step, channel, plain(fixed_batches(3)), epochs=2)
+    assert report.steps == 6 and report.examples == 96
+    assert report.exchanges == EXPECTED_EXCHANGES[case](6)
+    assert report.exchanges == report.steps * step.exchanges_per_batch + step.extra_exchanges()
+    if transport is not None:
+        assert channel is not None
+        assert report.bytes_up == channel.bytes_up == sum(len(d) for d in transport.sent)
+        assert report.bytes_down == channel.bytes_down == sum(len(d) for d in transport.received)
+        assert len(transport.received) == len(transport.sent)  # every request answered
+        kinds = {"splitfed_v2": ["forward"] * 6, "ushaped": ["forward", "backward"] * 6,
+                 "local_loss": ["smashed"] * 6}[case]
+        assert transport.kinds() == kinds
+    elif case == "local_loss_bulk":  # activations and labels kept for the reply
+        kept = step.reply_arrays()[SMASHED_RECORD_KEY]
+        assert kept["batch-sizes"].tolist() == [16] * 6
+        assert report.bytes_up == tensor_bytes([kept["activations"], kept["labels"]])
+        assert report.bytes_down == 0
+    else:  # the whole model's weights, down and up
+        weights = tensor_bytes(model.stages.state_dict().values())
+        assert report.bytes_up == report.bytes_down == weights
+
+
+def test_split_round_equals_whole_model_sgd_and_reports_its_losses(trunk_server_factory):
+    options = SplitFedV2Options(lr=0.1, momentum=0.0)
+    model = digits_like_model()
+    reference = copy.deepcopy(model)
+    server = trunk_server_factory(model, options=options, lr=0.1)
+    batches = fixed_batches(3)
+    channel, _ = recording_channel(server)
+    report = train_round(SplitStep(model, RunSpec(strategy=options), cut=1), channel,
+                         plain(batches), epochs=1)
+    # Reference losses and hits: each batch scored just before its own update.
+    losses, hits = [], 0
+    replay = copy.deepcopy(reference)
+    for x, y in batches:
+        with torch.no_grad():
+            logits = replay(x)
+        losses.append(float(nn.functional.cross_entropy(logits, y)))
+        hits += int((logits.argmax(1) == y).sum())
+        train_whole(replay, [(x, y)], lr=0.1)
+    train_whole(reference, batches, lr=0.1)
+    joined = copy.deepcopy(server.trunk.model)
+    joined.stages[0].load_state_dict(model.stages[0].state_dict())
+    assert max_param_diff(joined, reference) < 1e-5
+    assert report.loss == pytest.approx(sum(losses) / 3, rel=1e-5)
+    assert report.accuracy == pytest.approx(hits / 48)
+
+
+@pytest.mark.parametrize("protocol", ["splitfed_v2", "ushaped"])
+def test_evaluate_round_scores_the_pipeline_without_an_update(trunk_server_factory, protocol):
+    step_class, options = {"splitfed_v2": (SplitStep, SplitFedV2Options()),
+                           "ushaped": (UShapedStep, UShapedOptions())}[protocol]
+    model = digits_like_model()
+    server = trunk_server_factory(model, protocol=protocol, options=options)
+    before = copy.deepcopy(server.trunk.model.state_dict())
+    x = torch.cat([b[0] for b in fixed_batches(3)])
+    y = torch.cat([b[1] for b in fixed_batches(3)])
+    channel, transport = recording_channel(server)
+    step = step_class(model, RunSpec(strategy=options), cut=1)
+    loss, accuracy, examples = evaluate_round(step, channel,
+                                              DataLoader(TensorDataset(x, y), batch_size=20))
+    with torch.no_grad():
+        logits = digits_like_model().eval()(x)
+    assert examples == 48
+    assert loss == pytest.approx(float(nn.functional.cross_entropy(logits, y)), rel=1e-5)
+    assert accuracy == pytest.approx(float((logits.argmax(1) == y).float().mean()))
+    assert transport.kinds() == ["evaluate"] * 3
+    assert server.trunk.steps == 0
+    for key, value in server.trunk.model.state_dict().items():
+        assert torch.equal(value, before[key])
+
+
+# --- DP-SGD's empty batches --------------------------------------------------------------------
+
+
+def dpsgd_privacy(n: int, batch_size: int, seed: int):
+    data = TensorDataset(torch.rand(n, 1, 8, 8), torch.randint(0, 10, (n,)))
+    settings = PrivacyConfig(name="dpsgd_client", clip_norm=0.5, noise_multiplier=2.0)
+    return make_client_privacy(settings, DataLoader(data, batch_size=batch_size),
+                               generator=torch.Generator().manual_seed(seed))
+
+
+def test_an_empty_dp_batch_takes_a_noise_only_step(trunk_server_factory):
+    options = SplitFedV2Options(lr=0.5, momentum=0.0)
+    server = trunk_server_factory(digits_like_model(), options=options)
+    model = digits_like_model()
+    step = SplitStep(model, RunSpec(strategy=options), cut=1)
+    privacy = dpsgd_privacy(16, 4, seed=3)  # q = 1/4, expected batch 4
+    empty = (torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.int64))
+    privacy.batches = lambda: [empty]  # this epoch's Poisson sample came out empty
+    channel, transport = recording_channel(server)
+    before = [p.detach().clone() for p in step.bottom.parameters()]
+    seen: list[int] = []
+    report = train_round(step, channel, privacy, epochs=1, on_step=seen.append)
+    privacy.close()
+    assert report.steps == 1 and report.examples == 0 and seen == [1]
+    assert transport.sent == [] and report.bytes_up == 0 and server.trunk.steps == 0
+    assert report.exchanges == 0  # nothing went to the trunk
+    # The step is the generator's noise alone: sigma * C per coordinate, over E, times lr.
+    noise = torch.Generator().manual_seed(3)
+    for p, p0 in zip(step.bottom.parameters(), before, strict=True):
+        expected = torch.normal(0.0, 2.0 * 0.5, size=p.shape, generator=noise) / 4.0
+        torch.testing.assert_close(p0 - p.detach(), 0.5 * expected)
+
+
+def test_poisson_rounds_send_only_the_non_empty_batches(trunk_server_factory):
+    options = SplitFedV2Options(lr=0.1)
+    server = trunk_server_factory(digits_like_model(), options=options)
+    step = SplitStep(digits_like_model(), RunSpec(strategy=options), cut=1)
+    privacy = dpsgd_privacy(6, 1, seed=1)  # q = 1/6: a third of the batches are empty
+    sizes: list[int] = []
+    sample = privacy.batches
+
+    def batches():
+        for x, y in sample():
+            sizes.append(len(y))
+            yield x, y
+
+    privacy.batches = batches
+    channel, transport = recording_channel(server)
+    seen: list[int] = []
+    report = train_round(step, channel, privacy, epochs=3, on_step=seen.append)
+    privacy.close()
+    assert len(sizes) == 18 and 0 in sizes and any(sizes)
+    assert report.steps == 18 and report.examples == sum(sizes)
+    assert seen == list(range(1, 19))  # noise-only steps are steps (the dropout hook counts them)
+    sent = sum(1 for s in sizes if s)
+    assert len(transport.sent) == sent == server.trunk.steps
+    assert report.exchanges == sent  # an empty batch makes no round trip
+
+
+def test_bottom_views_share_the_model():
+    # The step trains views of the model's stages: what the reply sends is what was trained.
+    model = digits_like_model()
+    step = SplitStep(model, RunSpec(strategy=SplitFedV2Options()), cut=2)
+    bottom, _ = split(model, 2)
+    assert [id(p) for p in step.trained().parameters()] == [id(p) for p in bottom.parameters()]

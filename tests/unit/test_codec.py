@@ -1,0 +1,152 @@
+"""Frames on the wire: round trips, every refusal rule, and fuzzing of the decoder."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from server.sessions.split import SharedTrunk, SplitSession
+from server.trunk import Trunk
+from splitlearn.dataplane import FrameError, Limits, TokenRegistry, TrunkEndpoint
+from splitlearn.dataplane import trunk_pb2 as pb
+from splitlearn.dataplane.codec import (
+    MAX_DIMS,
+    check_activations,
+    check_labels,
+    decode_request,
+    decode_tensor,
+    encode_tensor,
+)
+from tests.conftest import digits_like_model
+
+MAX = 1 << 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("shape", [(3, 4, 2), (0, 5), ()])
+def test_tensor_round_trip_keeps_dtype_shape_and_values(dtype, shape):
+    t = (torch.randn(shape) * 100).to(dtype)
+    back = decode_tensor(pb.Tensor.FromString(encode_tensor(t).SerializeToString()),
+                         name="t", max_bytes=MAX)
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_decoded_tensors_are_writable_and_independent():
+    msg = encode_tensor(torch.ones(2, 3))
+    a = decode_tensor(msg, name="a", max_bytes=MAX)
+    b = decode_tensor(msg, name="b", max_bytes=MAX)
+    a += 1  # would fail on read-only memory
+    assert torch.equal(b, torch.ones(2, 3))
+    a.requires_grad_(True)
+
+
+def reason(err: pytest.ExceptionInfo[FrameError]) -> str:
+    return pb.Refusal.Reason.Name(err.value.reason)
+
+
+@pytest.mark.parametrize(("tensor", "expected"), [
+    (pb.Tensor(dtype=99, shape=[1], data=b"\0" * 4), "BAD_TENSOR"),
+    (pb.Tensor(dtype=pb.FLOAT32, shape=[2, 2], data=b"\0" * 15), "MALFORMED"),
+    (pb.Tensor(dtype=pb.FLOAT32, shape=[1] * (MAX_DIMS + 1), data=b"\0" * 4), "TOO_LARGE"),
+    # A zero beside a dimension that overflows torch's size arithmetic.
+    (pb.Tensor(dtype=pb.FLOAT32, shape=[0, 2**63], data=b""), "TOO_LARGE"),
+    (pb.Tensor(dtype=pb.FLOAT32, shape=[2**40, 2**40], data=b""), "TOO_LARGE"),
+])
+def test_inconsistent_tensor_headers_are_refused_with_a_reason(tensor, expected):
+    with pytest.raises(FrameError) as err:
+        decode_tensor(tensor, name="t", max_bytes=MAX)
+    assert reason(err) == expected
+
+
+def test_requests_are_refused_before_parsing_when_too_large_and_when_kindless():
+    with pytest.raises(FrameError) as err:
+        decode_request(b"\0" * (MAX + 1), max_bytes=MAX)
+    assert reason(err) == "TOO_LARGE"
+    with pytest.raises(FrameError) as err:
+        decode_request(pb.Request(seq=1).SerializeToString(), max_bytes=MAX)
+    assert reason(err) == "MALFORMED"
+    with pytest.raises(FrameError) as err:
+        decode_request(b"\x0a\xff\xff\xff\xff\x0f", max_bytes=MAX)  # a length past the end
+    assert reason(err) == "MALFORMED"
+
+
+def test_activation_and_label_rules_name_the_problem():
+    def acts(t: torch.Tensor, **kw):
+        return check_activations(encode_tensor(t), **({"cut_shape": (3,), "max_batch": 8,
+                                                        "max_bytes": MAX, "max_abs": 1e6} | kw))
+
+    assert acts(torch.ones(2, 3)).dtype == torch.float32
+    for bad, expected in [
+        (torch.ones(2, 4), "BAD_TENSOR"), (torch.ones(2, 3, dtype=torch.int64), "BAD_TENSOR"),
+        (torch.ones(9, 3), "TOO_LARGE"), (torch.full((2, 3), float("inf")), "NOT_FINITE"),
+        (torch.full((2, 3), 3e38), "OUT_OF_RANGE"),
+    ]:
+        with pytest.raises(FrameError) as err:
+            acts(bad)
+        assert reason(err) == expected, bad
+    with pytest.raises(FrameError) as err:
+        check_activations(None, cut_shape=(3,), max_batch=8, max_bytes=MAX, max_abs=1e6)
+    assert "no activations" in str(err.value)
+    labels = encode_tensor(torch.tensor([0, 9]))
+    assert check_labels(labels, batch=2, num_classes=10, max_bytes=MAX).tolist() == [0, 9]
+    for bad, batch in [(torch.tensor([0, 10]), 2), (torch.tensor([0, 1]), 3),
+                       (torch.tensor([0.0, 1.0]), 2)]:
+        with pytest.raises(FrameError):
+            check_labels(encode_tensor(bad), batch=batch, num_classes=10, max_bytes=MAX)
+
+
+def fuzz_endpoint():
+    """An endpoint with a real split session on a small trunk, and a valid session."""
+    model = digits_like_model("cnn")
+    trunk = Trunk(copy.deepcopy(model), lr=0.1)
+    limits = Limits(max_frame_bytes=MAX, max_batch=16)
+    tokens = TokenRegistry()
+    endpoint = TrunkEndpoint({"split": SplitSession(SharedTrunk(trunk), limits=limits)}, tokens,
+                             limits=limits)
+    token = tokens.issue(client="fuzzer", protocol="split", cut=1, server_round=1, ttl_s=600)
+    session, _ = endpoint.attach(token, cancel=lambda: None)
+    return endpoint, session, trunk
+
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+BYTES_TARGET = fuzz_endpoint()
+
+
+@FUZZ
+@given(st.binary(max_size=4096))
+def test_any_bytes_get_a_reply_never_an_exception(data):
+    endpoint, session, trunk = BYTES_TARGET
+    reply = pb.Reply.FromString(endpoint.handle(session, data, peer="fuzz"))
+    assert reply.WhichOneof("kind") in ("refusal", "gradient", "metrics")
+    assert all(torch.isfinite(p).all() for p in trunk.model.parameters())
+
+
+tensors = st.builds(
+    pb.Tensor,
+    dtype=st.integers(0, 6),
+    shape=st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 40), max_size=10),
+    data=st.binary(max_size=2048),
+)
+
+
+STRUCTURED_TARGET = fuzz_endpoint()
+SEQ = itertools.count(1)
+
+
+@FUZZ
+@given(kind=st.sampled_from(["forward", "evaluate", "backward", "smashed"]),
+       activations=tensors, labels=tensors)
+def test_structured_garbage_is_refused_and_the_trunk_stays_finite(kind, activations, labels):
+    endpoint, session, trunk = STRUCTURED_TARGET
+    part = {"backward": pb.Backward(grad=activations)}.get(kind) or getattr(pb, kind.title())(
+        activations=activations, labels=labels)
+    request = pb.Request(seq=next(SEQ), **{kind: part})
+    reply = pb.Reply.FromString(endpoint.handle(session, request.SerializeToString(), peer="f"))
+    assert reply.WhichOneof("kind") == "refusal"  # nothing here is a valid batch
+    assert pb.Refusal.Reason.Name(reply.refusal.reason) != "REPLAYED"
+    assert all(torch.isfinite(p).all() for p in trunk.model.parameters())
