@@ -67,9 +67,14 @@ class LocalGrid(Grid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        """Handle every message, ``concurrency`` at a time; return the replies."""
+        """Handle every message, ``concurrency`` at a time, in node order; return the replies.
+
+        Flower samples nodes in a random order; delivering by node id makes a run
+        with ``concurrency=1`` repeatable.
+        """
+        ordered = sorted(messages, key=lambda m: m.metadata.dst_node_id)
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            return list(pool.map(self._deliver, messages))
+            return list(pool.map(self._deliver, ordered))
 
     def get_node_ids(self) -> Iterable[int]:
         """All nodes."""
