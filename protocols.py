@@ -27,6 +27,7 @@ from clients.steps.local_loss import LocalLossStep
 from clients.steps.split import SplitStep
 from clients.steps.ushaped import UShapedStep
 from clients.steps.whole import WholeModelStep
+from server.sessions.sglr import sglr_sessions
 from server.sessions.smashed import local_loss_sessions
 from server.sessions.split import per_client_sessions, shared_sessions, splitfed_v2_sessions
 from server.sessions.ushaped import ushaped_sessions
@@ -36,6 +37,7 @@ from splitlearn.dataplane import Limits, SessionHandler
 from strategies.local_loss import LocalLossOptions, LocalLossSplit
 from strategies.reporting import FedAvgOptions, ReportingFedAvg
 from strategies.sequential import SequentialOptions, SequentialSplit
+from strategies.sglr import SGLROptions
 from strategies.splitfed import SplitFed, SplitFedV1Options, SplitFedV2Options
 from strategies.ushaped import UShapedOptions
 
@@ -61,6 +63,7 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (
     Protocol("sequential", SequentialOptions, SequentialSplit, SplitStep, shared_sessions),
     Protocol("ushaped", UShapedOptions, SplitFed, UShapedStep, ushaped_sessions),
     Protocol("local_loss", LocalLossOptions, LocalLossSplit, LocalLossStep, local_loss_sessions),
+    Protocol("sglr", SGLROptions, SplitFed, SplitStep, sglr_sessions),
 )}
 
 
