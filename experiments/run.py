@@ -86,7 +86,7 @@ def launch_simulation(cfg: DictConfig) -> None:
 def start_ray(init_args: dict[str, Any], *, attempts: int = 3) -> None:
     """Start (or attach to) Ray before Flower does, retrying a failed start.
 
-    On a loaded 2-core machine Ray's raylet sometimes misses its fixed 30 s
+    On a loaded machine with few cores, Ray's raylet can miss its fixed 30 s
     registration window ("The current node timed out during startup"). Flower
     starts Ray only if it is not running yet, so starting it here, with retries,
     keeps that flake out of the run. The runtime environment matches Flower's

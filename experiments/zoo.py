@@ -257,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--no-imagenet", action="store_true", help="skip the 224x224 table")
     parser.add_argument("--out", type=Path, help="also write the markdown here")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # 2 threads run ~12x slower on the 2-core machines here
+    torch.set_num_threads(1)  # as clients run: one intra-op thread each (engine.torch_threads)
     names = [n for n in args.models.split(",") if n]
     start = time.perf_counter()
     parts = [

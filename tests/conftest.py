@@ -30,7 +30,7 @@ from splitlearn.dataplane import (
 )
 from splitlearn.models import SplittableModel, build_model
 
-# Oversubscribing the 2-core machines with intra-op threads slows torch ~10x.
+# One intra-op thread per process: tests run beside each other and beside Ray workers.
 torch.set_num_threads(1)
 
 
@@ -85,6 +85,27 @@ def start_trunk_server(
     service = TrunkService(endpoint, host="127.0.0.1", port=0, **service_kwargs)
     service.start()
     return TrunkServer(server_model, trunk, session_handler, tokens, endpoint, service, protocol)
+
+
+@pytest.fixture
+def task_identity() -> Iterator[None]:
+    """Messages built outside Flower's runtime need a task identity (its public setters)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    names = ("task_id", "run_id", "node_id")
+
+    def current(name: str) -> int | None:
+        try:
+            return getattr(TaskIdentity, name)
+        except RuntimeError:  # not set yet
+            return None
+
+    saved = {name: current(name) for name in names}
+    for name in names:
+        setattr(TaskIdentity, name, 1)
+    yield
+    for name, value in saved.items():
+        setattr(TaskIdentity, name, value)
 
 
 @pytest.fixture

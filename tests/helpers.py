@@ -6,6 +6,8 @@ import copy
 from collections.abc import Callable, Sequence
 
 import torch
+from flwr.app import Message
+from flwr.serverapp import Grid
 from torch import Tensor, nn
 
 from clients.loop import TrainReport, train_round
@@ -62,3 +64,43 @@ def send_raw(channel: TrunkChannel, data: bytes) -> pb.Reply:
 def deep_copy(model: SplittableModel) -> SplittableModel:
     """An independent copy (readability at call sites)."""
     return copy.deepcopy(model)
+
+
+class ScriptedGrid(Grid):
+    """A grid whose nodes answer by a script (``answer(message) -> reply``).
+
+    Records every ``send_and_receive`` call (the messages as sent). The rest of
+    Flower's Grid interface is not needed by strategies and refuses to be used.
+    """
+
+    def __init__(self, nodes: list[int], answer: Callable[[Message], Message]) -> None:
+        self.nodes = nodes
+        self.answer = answer
+        self.calls: list[list[Message]] = []
+
+    def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
+        messages = list(messages)
+        self.calls.append(messages)
+        return [self.answer(m) for m in messages]
+
+    def train_calls(self) -> list[list[Message]]:
+        return [c for c in self.calls if c and c[0].metadata.message_type.startswith("train.")]
+
+    def get_node_ids(self):  # noqa: ANN201
+        return list(self.nodes)
+
+    def set_run(self, run):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    @property
+    def run(self):  # noqa: ANN201
+        raise NotImplementedError
+
+    def create_message(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        raise NotImplementedError
+
+    def push_messages(self, messages):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
+        raise NotImplementedError

@@ -19,7 +19,6 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
 from flwr.app.metadata import validate_message_type
-from flwr.supercore.task_identity import TaskIdentity
 from torch import Tensor, nn
 
 from clients.loop import train_round
@@ -174,25 +173,6 @@ def test_initial_state_holds_bottom_and_aux_and_evaluation_ignores_the_aux():
     assert all(torch.equal(v, state[AUX_PREFIX + k]) for k, v in step.aux.state_dict().items())
     assert all(torch.equal(v, state[k]) for k, v in step.bottom.state_dict().items())
     assert step.state().keys() == state.keys()
-
-
-@pytest.fixture
-def task_identity():
-    """Messages built outside Flower's runtime need a task identity (public setters)."""
-    names = ("run_id", "node_id", "task_id")
-
-    def current(name: str) -> int | None:
-        try:
-            return getattr(TaskIdentity, name)
-        except RuntimeError:  # not set
-            return None
-
-    saved = {name: current(name) for name in names}
-    for name in names:
-        setattr(TaskIdentity, name, 1)
-    yield
-    for name, value in saved.items():
-        setattr(TaskIdentity, name, value)
 
 
 def train_reply(node: int, arrays: dict[str, np.ndarray], examples: int) -> Message:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 import numpy as np
 import pytest
 from flwr.app import (
@@ -14,14 +12,13 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
 from splitlearn.config import PrivacyConfig, RunSpec
 from splitlearn.dataplane import TokenRegistry
 from strategies.privacy import BUDGET_STATUS, PrivacyBudgetGuard
 from strategies.reporting import ROUND_KEY, STATUS_KEY, RoundOutcome, aggregate_split_metrics
 from strategies.splitfed import DataPlaneAccess, SplitFed, SplitFedV2Options
+from tests.helpers import ScriptedGrid
 
 SPEC = RunSpec(
     strategy=SplitFedV2Options(lr=0.05),
@@ -29,20 +26,7 @@ SPEC = RunSpec(
 )
 
 
-@pytest.fixture(autouse=True)
-def task_identity() -> Iterator[None]:
-    """Flower stamps messages with the task's identity; set it through the public setters."""
-    keys = ("task_id", "run_id", "node_id")
-    previous = {}
-    for key in keys:
-        try:
-            previous[key] = getattr(TaskIdentity, key)
-        except RuntimeError:  # not set yet
-            previous[key] = None
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
-    yield
-    for key in keys:
-        setattr(TaskIdentity, key, previous[key])
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def request(node: int) -> Message:
@@ -73,39 +57,6 @@ class FakeTrunk:
 
     def finish_round(self, finished) -> None:  # noqa: ANN001 - an iterable of node ids
         self.finished.append(list(finished))
-
-
-class ScriptedGrid(Grid):
-    """Nodes answer by a script; every ``send_and_receive`` call is recorded."""
-
-    def __init__(self, nodes: list[int], answer: Callable[[Message], Message]) -> None:
-        self.nodes = nodes
-        self.answer = answer
-        self.calls: list[list[Message]] = []
-
-    def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
-        messages = list(messages)
-        self.calls.append(messages)
-        return [self.answer(m) for m in messages]
-
-    def get_node_ids(self):  # noqa: ANN201
-        return list(self.nodes)
-
-    def set_run(self, run):  # noqa: ANN001, ANN201
-        raise NotImplementedError
-
-    @property
-    def run(self):  # noqa: ANN201
-        raise NotImplementedError
-
-    def create_message(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-        raise NotImplementedError
-
-    def push_messages(self, messages):  # noqa: ANN001, ANN201
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
-        raise NotImplementedError
 
 
 def nodes_grid(nodes: list[int]) -> ScriptedGrid:

@@ -7,8 +7,6 @@ from collections.abc import Iterator
 import pytest
 import yaml
 from flwr.app import ConfigRecord, Message, RecordDict
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 from omegaconf import OmegaConf
 
 from protocols import PROTOCOLS, check_config, protocol_named
@@ -25,24 +23,12 @@ from strategies.privacy import PrivacyBudgetGuard
 from strategies.reporting import ROUND_KEY, SPEC_KEY, ReportingFedAvg
 from strategies.splitfed import SplitFed
 from tests.conftest import small_config
+from tests.helpers import ScriptedGrid
 
 SHIPPED = sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml"))
 
 
-@pytest.fixture(autouse=True)
-def task_identity() -> Iterator[None]:
-    """Flower stamps messages with the task's identity; set it through the public setters."""
-    keys = ("task_id", "run_id", "node_id")
-    previous = {}
-    for key in keys:
-        try:
-            previous[key] = getattr(TaskIdentity, key)
-        except RuntimeError:  # not set yet
-            previous[key] = None
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
-    yield
-    for key in keys:
-        setattr(TaskIdentity, key, previous[key])
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 class Reporter:
@@ -53,35 +39,6 @@ class Reporter:
 
     def record_round(self, outcome) -> None:  # noqa: ANN001
         self.outcomes.append(outcome)
-
-
-class Nodes(Grid):
-    """A grid that only lists nodes (configure_* samples from them)."""
-
-    def __init__(self, nodes: list[int]) -> None:
-        self.nodes = nodes
-
-    def get_node_ids(self):  # noqa: ANN201
-        return list(self.nodes)
-
-    def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
-        raise NotImplementedError
-
-    def set_run(self, run):  # noqa: ANN001, ANN201
-        raise NotImplementedError
-
-    @property
-    def run(self):  # noqa: ANN201
-        raise NotImplementedError
-
-    def create_message(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-        raise NotImplementedError
-
-    def push_messages(self, messages):  # noqa: ANN001, ANN201
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
-        raise NotImplementedError
 
 
 @pytest.fixture
@@ -143,9 +100,8 @@ def test_every_protocol_strategy_sends_its_typed_messages(runtime_for, name):
     arrays = initial_arrays(runtime)
     step = protocol.client(runtime.trunk.model, runtime.spec, cut=runtime.spec.model.cut)
     assert set(arrays) == set(step.state())
-    messages: list[Message] = list(
-        strategy.configure_train(1, arrays, ConfigRecord(), Nodes([1, 2, 3]))
-    )
+    grid = ScriptedGrid([1, 2, 3], answer=lambda m: m)
+    messages: list[Message] = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
     assert len(messages) == 3
     for message in messages:
         assert message.metadata.message_type == f"train.{name}"

@@ -10,7 +10,7 @@ clients' smashed data. The real engines run in tests/integration.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -24,8 +24,6 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 from torch import Tensor
 
 from clients.steps.local_loss import SMASHED_RECORD_KEY
@@ -47,7 +45,7 @@ from strategies.reporting import (
 )
 from strategies.sequential import SequentialOptions, SequentialSplit, TurnByTurnGrid
 from strategies.splitfed import DataPlaneAccess, SplitFed, SplitFedV2Options
-from tests.helpers import plain_spec
+from tests.helpers import ScriptedGrid, plain_spec
 
 #: What a client may decline a round with (its reply's ``status`` record says which).
 DECLINES = ("unavailable", "memory", "dropout", "refused", "budget")
@@ -55,23 +53,7 @@ DECLINES = ("unavailable", "memory", "dropout", "refused", "budget")
 CLIENT_APP_RAISED = 2
 
 
-@pytest.fixture(autouse=True)
-def task_identity() -> Iterator[None]:
-    """Flower stamps messages with the task's identity; set it through the public setters."""
-    keys = ("task_id", "run_id", "node_id")
-    previous = {}
-    for key in keys:
-        try:
-            previous[key] = getattr(TaskIdentity, key)
-        except RuntimeError:  # not set yet
-            previous[key] = None
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
-    yield
-    for key in keys:
-        setattr(TaskIdentity, key, previous[key])
-
-
-# --- replies ------------------------------------------------------------------------
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def request(node: int, message_type: str = "train.splitfed_v2") -> Message:
@@ -173,45 +155,6 @@ def protocol_strategy(name: str, outcomes: list[RoundOutcome], **kwargs) -> Repo
     if protocol.trunk is not None:
         kwargs |= {"dataplane": dataplane(), "trunk": FakeTrunk()}
     return protocol.strategy(**kwargs)
-
-
-class ScriptedGrid(Grid):
-    """A grid whose nodes answer by a script: ``answer(message) -> reply``.
-
-    Records every ``send_and_receive`` call (the messages as sent).
-    """
-
-    def __init__(self, nodes: list[int], answer: Callable[[Message], Message]) -> None:
-        self.nodes = nodes
-        self.answer = answer
-        self.calls: list[list[Message]] = []
-
-    def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
-        messages = list(messages)
-        self.calls.append(messages)
-        return [self.answer(m) for m in messages]
-
-    def get_node_ids(self):  # noqa: ANN201
-        return list(self.nodes)
-
-    def set_run(self, run):  # noqa: ANN001, ANN201
-        raise NotImplementedError
-
-    @property
-    def run(self):  # noqa: ANN201
-        raise NotImplementedError
-
-    def create_message(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-        raise NotImplementedError
-
-    def push_messages(self, messages):  # noqa: ANN001, ANN201
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
-        raise NotImplementedError
-
-    def train_calls(self) -> list[list[Message]]:
-        return [c for c in self.calls if c and c[0].metadata.message_type.startswith("train.")]
 
 
 def sent(message: Message) -> dict[str, np.ndarray]:
