@@ -15,13 +15,15 @@ their own size.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from server.sessions.split import BatchingSplitSession, SharedTrunk, Slot, StepResult
 from server.trunk import Trunk
 from splitlearn.config import StrategyConfig
-from splitlearn.dataplane.codec import FrameError, Reason
+from splitlearn.dataplane.codec import FrameError, Reason, magnitude
 from splitlearn.dataplane.endpoint import Limits
 
 
@@ -51,13 +53,13 @@ class SGLRSession(BatchingSplitSession):
         trunk = self.pool.trunk
         scale = self.server_lr_scale or float(len(group))
         leaves = [s.activations.detach().requires_grad_(True) for s in group]
-        with trunk.step(samples=sum(len(s.labels) for s in group)):
+        with trunk.step(samples=sum(len(s.labels) for s in group)) as backward:
             logits = [trunk.run(leaf, cut) for leaf in leaves]
             losses = [nn.functional.cross_entropy(out, s.labels, reduction="none")
                       for out, s in zip(logits, group, strict=True)]
-            (scale * sum(loss.mean() for loss in losses)).backward()
+            backward(scale * sum(loss.mean() for loss in losses))
             own = [leaf.grad / scale for leaf in leaves]  # d(client's mean loss)/d(its rows)
-            if not all(torch.isfinite(g).all() for g in own):
+            if not all(math.isfinite(magnitude(g)) for g in own):
                 raise FrameError(Reason.STEP_NOT_FINITE, "the gradient at the cut is not finite")
         results = []
         for grad, loss, out, slot in zip(own, losses, logits, group, strict=True):

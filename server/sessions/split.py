@@ -19,6 +19,7 @@ others.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from splitlearn.dataplane.codec import (
     check_activations,
     check_labels,
     encode_tensor,
+    magnitude,
     present,
 )
 from splitlearn.dataplane.endpoint import Limits, Session
@@ -102,12 +104,12 @@ class StepResult:
 def train_on_batch(trunk: Trunk, cut: int, activations: Tensor, labels: Tensor) -> StepResult:
     """Forward, backward and update the stages above ``cut``; refuse a non-finite step."""
     acts = activations.detach().requires_grad_(True)
-    with trunk.step(samples=len(labels)):
+    with trunk.step(samples=len(labels)) as backward:
         logits = trunk.run(acts, cut)
         losses = nn.functional.cross_entropy(logits, labels, reduction="none")
-        losses.mean().backward()
+        backward(losses.mean())
         assert acts.grad is not None
-        if not torch.isfinite(acts.grad).all():
+        if not math.isfinite(magnitude(acts.grad)):
             raise FrameError(Reason.STEP_NOT_FINITE, "the gradient at the cut is not finite")
     return StepResult(acts.grad, losses.detach(), logits.argmax(dim=1) == labels)
 

@@ -26,6 +26,7 @@ whole-model SGD.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from splitlearn.dataplane.codec import (
     check_activations,
     check_gradient,
     encode_tensor,
+    magnitude,
     present,
 )
 from splitlearn.dataplane.endpoint import Limits, Session
@@ -158,19 +160,19 @@ class UShapedSession:
         """Backpropagate ``grad`` through the pending forward, step, return the cut gradient."""
         cut, acts, features = pending.cut, pending.activations, pending.features
         stages = self.trunk.model.stages[cut:self.tail_cut]
-        with self.trunk.step(samples=len(acts)):
+        with self.trunk.step(samples=len(acts)) as backward:
             restore: list[tuple[Tensor, Tensor]] = []
             if _versions(self._params(cut)) != pending.versions:
                 self.recomputed += 1
                 restore = [(b, b.detach().clone()) for s in stages for b in s.buffers()]
                 acts = acts.detach().requires_grad_(True)
                 features = self.trunk.run(acts, cut, self.tail_cut)
-            features.backward(grad.to(features.dtype))
+            backward(features, grad.to(features.dtype))
             with torch.no_grad():
                 for buffer, saved in restore:  # this batch's statistics count once
                     buffer.copy_(saved)
             assert acts.grad is not None
-            if not torch.isfinite(acts.grad).all():
+            if not math.isfinite(magnitude(acts.grad)):
                 raise FrameError(Reason.STEP_NOT_FINITE, "the gradient at the cut is not finite")
         return acts.grad
 

@@ -17,46 +17,25 @@ Both are scored with ROC AUC (0.5 = no leak, 1 = labels recovered).
 from __future__ import annotations
 
 import torch
+from sklearn.metrics import roc_auc_score
 from torch import Tensor, nn
 
 from splitlearn.privacy.mechanism import per_sample_norms
 
 
 def roc_auc(scores: Tensor, positives: Tensor) -> float:
-    """Area under the ROC curve: P(score of a positive > score of a negative), ties half.
+    """Area under the ROC curve (scikit-learn's): P(a positive outscores a negative), ties half.
 
-    Parameters
-    ----------
-    scores : Tensor
-        Shape ``(n,)``.
-    positives : Tensor
-        Boolean, shape ``(n,)``; both classes must occur.
-
-    Returns
-    -------
-    float
-        In [0, 1].
+    Raises
+    ------
+    ValueError
+        If ``positives`` (boolean, shape ``(n,)``) does not hold both classes.
     """
-    scores, positives = scores.double().flatten(), positives.bool().flatten()
+    positives = positives.bool().flatten()
     n_pos = int(positives.sum())
-    n_neg = len(positives) - n_pos
-    if n_pos == 0 or n_neg == 0:
-        raise ValueError(f"need positives and negatives, got {n_pos} and {n_neg}")
-    # Mann-Whitney U with average ranks for ties.
-    order = scores.argsort()
-    sorted_scores = scores[order]
-    ranks = torch.empty_like(scores)
-    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
-    unique, inverse = torch.unique(sorted_scores, return_inverse=True)
-    if len(unique) < len(scores):
-        sums = torch.zeros(len(unique), dtype=torch.float64).index_add_(
-            0, inverse, torch.arange(1, len(scores) + 1, dtype=torch.float64)
-        )
-        counts = torch.bincount(inverse, minlength=len(unique)).double()
-        ranks[order] = (sums / counts)[inverse]
-    u = float(ranks[positives].sum()) - n_pos * (n_pos + 1) / 2
-    return u / (n_pos * n_neg)
-
+    if n_pos == 0 or n_pos == len(positives):
+        raise ValueError(f"need positives and negatives, got {n_pos} and {len(positives) - n_pos}")
+    return float(roc_auc_score(positives.numpy(), scores.double().flatten().numpy()))
 
 def cut_layer_gradients(trunk: nn.Module, released: Tensor, labels: Tensor) -> Tensor:
     """Return the gradient the trunk sends back: d(mean cross-entropy)/d(released).

@@ -85,11 +85,11 @@ class GatedTrunk(Trunk):
         self.entered = 0  # steps that reached the gate
 
     @contextmanager
-    def step(self, *, samples: int) -> Iterator[None]:
+    def step(self, *, samples: int) -> Iterator:
         self.entered += 1
         assert self.gate.wait(30), "the test never opened the gate"
-        with super().step(samples=samples):
-            yield
+        with super().step(samples=samples) as backward:
+            yield backward
 
 
 @pytest.fixture

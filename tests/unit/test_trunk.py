@@ -105,8 +105,8 @@ def fake_clock(monkeypatch) -> None:
 # --- the update primitive ------------------------------------------------------
 
 
-def good_body(trunk: Trunk, acts: Tensor, labels: Tensor) -> None:
-    nn.functional.cross_entropy(trunk.run(acts, CUT), labels).backward()
+def good_body(trunk: Trunk, backward, acts: Tensor, labels: Tensor) -> None:  # noqa: ANN001
+    backward(nn.functional.cross_entropy(trunk.run(acts, CUT), labels))
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
@@ -114,16 +114,17 @@ def test_a_step_with_non_finite_gradients_applies_nothing_and_a_good_step_after_
     model = digits_like_model("resnet")  # batch norm: buffers must not move either
     first, second = activations(model, 1), activations(model, 2)
     trunk = Trunk(copy.deepcopy(model), lr=LR, momentum=0.9)
-    with trunk.step(samples=8):
-        good_body(trunk, *first)
+    with trunk.step(samples=8) as backward:
+        good_body(trunk, backward, *first)
     state = copy.deepcopy(trunk.model.state_dict())
     momenta = [trunk.optimizer.state[p]["momentum_buffer"].clone()
                for p in trunk.model.parameters() if p in trunk.optimizer.state]
     assert momenta  # the first step created the optimiser state that must survive
 
-    with pytest.raises(FrameError, match="not finite") as refused, trunk.step(samples=99):
+    with pytest.raises(FrameError, match="not finite") as refused, \
+            trunk.step(samples=99) as backward:
         logits = trunk.run(second[0], CUT)
-        (nn.functional.cross_entropy(logits, second[1]) * poison).backward()
+        backward(nn.functional.cross_entropy(logits, second[1]) * poison)
     assert refused.value.reason == Reason.STEP_NOT_FINITE
     assert all(torch.equal(v, trunk.model.state_dict()[k]) for k, v in state.items())
     after = [trunk.optimizer.state[p]["momentum_buffer"]
@@ -133,8 +134,8 @@ def test_a_step_with_non_finite_gradients_applies_nothing_and_a_good_step_after_
     assert (trunk.steps, trunk.samples) == (1, 8)
     assert all(p.grad is None for p in trunk.model.parameters())
 
-    with trunk.step(samples=8):
-        good_body(trunk, *second)
+    with trunk.step(samples=8) as backward:
+        good_body(trunk, backward, *second)
     # Reference: the two good steps alone, on an independent copy.
     ref, _ = reference_sgd(model, [first, second], momentum=0.9)
     ref.train()
@@ -146,8 +147,9 @@ def test_a_body_that_raises_applies_nothing_and_the_error_propagates():
     model = digits_like_model()
     trunk = Trunk(copy.deepcopy(model), lr=LR)
     acts, labels = activations(model, 1)
-    with pytest.raises(RuntimeError, match="client went away"), trunk.step(samples=8):
-        good_body(trunk, acts, labels)  # finite gradients, but the body does not finish
+    with pytest.raises(RuntimeError, match="client went away"), \
+            trunk.step(samples=8) as backward:
+        good_body(trunk, backward, acts, labels)  # finite gradients, but the body stops
         raise RuntimeError("client went away")
     assert max_param_diff(trunk.model, model) == 0.0
     assert (trunk.steps, trunk.samples) == (0, 0)
@@ -160,8 +162,8 @@ def test_steps_samples_and_busy_seconds_are_booked_once_per_step(fake_clock):
     result = train_on_batch(trunk, CUT, acts, labels)
     assert (trunk.steps, trunk.samples, trunk.busy_s) == (1, 8, 1.0)
     assert result.losses.shape == (8,) and result.grad.shape == acts.shape
-    with pytest.raises(FrameError), trunk.step(samples=8):
-        (trunk.run(acts, CUT).sum() * float("nan")).backward()
+    with pytest.raises(FrameError), trunk.step(samples=8) as backward:
+        backward(trunk.run(acts, CUT).sum() * float("nan"))
     assert (trunk.steps, trunk.samples, trunk.busy_s) == (1, 8, 2.0)  # held, not counted
     with torch.no_grad(), trunk.forward_only(train=False):
         trunk.run(acts, CUT)
