@@ -79,6 +79,8 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
+    if "base_config.yaml" in store.list("/"):  # already registered in this process
+        return
     store.store(name="base_config", node=Config)
     for protocol in PROTOCOLS.values():
         store.store(group="strategy", name=f"{protocol.name}_schema", node=protocol.options)

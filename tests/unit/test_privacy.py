@@ -17,7 +17,6 @@ from clients.steps.base import ClientStep
 from clients.steps.local_loss import SMASHED_RECORD_KEY, LocalLossStep
 from clients.steps.split import SplitStep
 from clients.steps.ushaped import UShapedStep
-from experiments.local import run_local
 from protocols import check_config, protocol_named
 from server.trunk import Trunk
 from splitlearn.config import PrivacyConfig, RunSpec, StrategyConfig, to_object
@@ -617,23 +616,3 @@ def test_dpsgd_rounds_train_through_the_real_step(case):
     assert all(not torch.equal(p, p0) for p, p0 in zip(step.trained().parameters(), before,
                                                         strict=True))
     assert not any(hasattr(p, "grad_sample") for p in step.trained().parameters())
-
-
-# --- budget in a round ------------------------------------------------------------------------
-
-
-def test_local_run_clients_stop_at_the_budget(tmp_path):
-    one_round = compute_epsilon(history=[(0.5 / 2, 1.0, 1)], delta=1e-5)
-    two_rounds = compute_epsilon(history=[(0.5 / 2, 1.0, 2)], delta=1e-5)
-    cfg = small_config(
-        "privacy=activation_gaussian", "privacy.noise_multiplier=0.5", "privacy.clip_norm=5",
-        f"privacy.epsilon_max={(one_round + two_rounds) / 2}", "strategy.batch_size=128",
-        run_dir=str(tmp_path),
-    )
-    assert cfg.num_clients == 3 and cfg.strategy.num_rounds == 2
-    history = run_local(cfg).history
-    rounds = [r for r in history if r["round"] > 0]
-    assert [r["round"] for r in rounds] == [1, 2]
-    assert [r["clients_budget"] for r in rounds] == [0, 3]
-    assert rounds[0]["examples"] > 0 and rounds[1]["examples"] == 0
-    assert all(math.isclose(r["epsilon"], one_round, rel_tol=1e-9) for r in rounds)

@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from experiments.local import run_local
 from strategies.sglr import SGLROptions
-from tests.conftest import digits_like_model, fixed_batches, small_config
+from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import max_param_diff
 
 LR = 0.1
@@ -82,14 +81,3 @@ def test_batches_of_another_size_are_averaged_only_with_their_own(trunk_server_f
     leaf = batches[2][0].clone().requires_grad_(True)
     nn.functional.cross_entropy(nn.Sequential(*model.stages[CUT:])(leaf), batches[2][1]).backward()
     assert torch.allclose(got[2], leaf.grad, atol=1e-6)
-
-
-def test_with_one_client_per_step_sglr_is_splitfed_v2():
-    """One client in each step: scale 1, the average of one gradient is its own."""
-    histories = {
-        name: run_local(small_config(f"strategy={name}", "strategy.momentum=0"), concurrency=1)
-        .history for name in ("sglr", "splitfed_v2")
-    }
-    for a, b in zip(histories["sglr"], histories["splitfed_v2"], strict=True):
-        assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-6)
-        assert a["test_accuracy"] == b["test_accuracy"]
