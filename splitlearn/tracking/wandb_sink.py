@@ -14,17 +14,16 @@ Set them in the environment of the job if they must move.
 
 from __future__ import annotations
 
-import netrc
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 #: Accepted ``mode`` values of :class:`WandbSink` and :func:`resolve_mode`.
 MODES: tuple[str, ...] = ("auto", "online", "offline", "disabled")
 
-_DEFAULT_BASE_URL = "https://api.wandb.ai"
+_LOG = logging.getLogger(__name__)
 # WANDB_MODE values wandb itself accepts, mapped onto ours.
 _ENV_MODES: Mapping[str, str] = {
     "online": "online",
@@ -36,7 +35,7 @@ _ENV_MODES: Mapping[str, str] = {
 _PLOTS = ("metrics.png", "clients.png", "accuracy_time.png", "client_time.png")
 
 
-def resolve_mode(mode: str = "auto", *, environ: Mapping[str, str] | None = None) -> str:
+def resolve_mode(mode: str = "auto") -> str:
     """Turn ``mode`` into the mode passed to ``wandb.init``.
 
     Parameters
@@ -44,10 +43,8 @@ def resolve_mode(mode: str = "auto", *, environ: Mapping[str, str] | None = None
     mode : str
         ``"online"``, ``"offline"`` and ``"disabled"`` are returned as they
         are. ``"auto"`` honours a valid ``WANDB_MODE`` variable if set (the
-        usual W&B switch), and otherwise gives ``"online"`` when credentials
-        are configured (see :func:`has_credentials`) and ``"offline"`` if not.
-    environ : Mapping[str, str] | None
-        Environment to read; ``os.environ`` when ``None``.
+        usual W&B switch), and otherwise gives ``"online"`` when W&B finds
+        credentials (see :func:`has_credentials`) and ``"offline"`` if not.
 
     Returns
     -------
@@ -64,56 +61,32 @@ def resolve_mode(mode: str = "auto", *, environ: Mapping[str, str] | None = None
         raise ValueError(f"unknown W&B mode {mode!r}; accepted: {accepted}")
     if mode != "auto":
         return mode
-    env = os.environ if environ is None else environ
-    forced = _ENV_MODES.get(env.get("WANDB_MODE", "").strip().lower())
+    forced = _ENV_MODES.get(os.environ.get("WANDB_MODE", "").strip().lower())
     if forced is not None:
         return forced
-    return "online" if has_credentials(env) else "offline"
+    return "online" if has_credentials() else "offline"
 
 
-def has_credentials(environ: Mapping[str, str] | None = None) -> bool:
-    """Tell whether a W&B API key is configured, without any network call.
+def has_credentials() -> bool:
+    """Tell whether W&B finds credentials for its configured server.
 
-    Looks at ``WANDB_API_KEY``, then for a netrc entry (``$NETRC`` or
-    ``$HOME/.netrc``) for the host of ``WANDB_BASE_URL`` (default
-    ``api.wandb.ai``), the same places ``wandb`` reads.
-
-    Parameters
-    ----------
-    environ : Mapping[str, str] | None
-        Environment to read; ``os.environ`` when ``None``.
-
-    Returns
-    -------
-    bool
-        ``True`` if an API key is available.
+    W&B's own lookup (its API key and identity-token variables, the netrc entry
+    ``wandb login`` writes, its settings) for the host of ``WANDB_BASE_URL`` or its
+    default, without prompting and without a network call. Credentials W&B finds
+    malformed count as none (with a warning): the run then stays offline.
     """
-    env = os.environ if environ is None else environ
-    if env.get("WANDB_API_KEY", "").strip():
-        return True
-    return _netrc_has_key(_netrc_path(env), _api_host(env))
+    import wandb
+    from wandb.sdk.lib.wbauth import authenticate_session
 
-
-def _api_host(env: Mapping[str, str]) -> str:
-    url = env.get("WANDB_BASE_URL", "").strip() or _DEFAULT_BASE_URL
-    # urlsplit only finds the host after a scheme ("api.wandb.ai" has none).
-    return urlsplit(url if "://" in url else f"https://{url}").netloc
-
-
-def _netrc_path(env: Mapping[str, str]) -> Path:
-    if env.get("NETRC"):
-        return Path(env["NETRC"]).expanduser()
-    home = env.get("HOME")
-    return (Path(home) if home else Path.home()) / ".netrc"
-
-
-def _netrc_has_key(path: Path, host: str) -> bool:
+    host = os.environ.get("WANDB_BASE_URL", "").strip() or wandb.Settings().base_url
     try:
-        entry = netrc.netrc(str(path)).authenticators(host)
-    except (OSError, netrc.NetrcParseError):
-        # Missing or unreadable netrc means no credentials, not a failed run.
+        found = authenticate_session(
+            host=host, source="splitlearn", prompt=False, update_session=False,
+        )
+    except wandb.errors.AuthenticationError as err:
+        _LOG.warning("W&B credentials refused (%s); logging offline", err)
         return False
-    return bool(entry and entry[2])
+    return found is not None
 
 
 class WandbSink:

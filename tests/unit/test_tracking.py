@@ -329,46 +329,53 @@ def test_wandb_sink_rejects_unknown_mode(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def netrc_home(tmp_path: Path) -> Path:
-    """Return an empty HOME folder to put a .netrc in."""
-    home = tmp_path / "netrc-home"
+def w_and_b_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A HOME without credentials, and no W&B variables: what a fresh machine has."""
+    home = tmp_path / "home"
     home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "NETRC",
+                 "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
     return home
 
 
-def test_resolve_mode_auto_follows_api_key(netrc_home: Path) -> None:
+def test_resolve_mode_auto_follows_api_key(w_and_b_env: Path, monkeypatch) -> None:
     """API key set: online; unset or empty: offline."""
-    env = {"HOME": str(netrc_home)}
-    assert resolve_mode("auto", environ=env | {"WANDB_API_KEY": "k" * 40}) == "online"
-    assert resolve_mode("auto", environ=env) == "offline"
-    assert resolve_mode("auto", environ=env | {"WANDB_API_KEY": ""}) == "offline"
+    assert resolve_mode("auto") == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert resolve_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_API_KEY", "")
+    assert resolve_mode("auto") == "offline"
 
 
-def test_resolve_mode_auto_reads_netrc(netrc_home: Path) -> None:
-    """A netrc entry for the W&B host counts; one for another host does not."""
-    (netrc_home / ".netrc").write_text("machine example.com login u password p\n")
-    env = {"HOME": str(netrc_home)}
-    assert not has_credentials(env)
-    (netrc_home / ".netrc").write_text("machine api.wandb.ai login user password k\n")
-    assert has_credentials(env)
-    assert resolve_mode("auto", environ=env) == "online"
-    on_prem = env | {"WANDB_BASE_URL": "https://wandb.example.org"}
-    assert resolve_mode("auto", environ=on_prem) == "offline"
+def test_resolve_mode_auto_reads_what_wandb_login_writes(w_and_b_env: Path, monkeypatch) -> None:
+    """A netrc entry for W&B's host counts; one for another host does not."""
+    netrc = w_and_b_env / ".netrc"
+    netrc.write_text("machine example.com login u password p\n")
+    netrc.chmod(0o600)
+    assert not has_credentials()
+    netrc.write_text(f"machine api.wandb.ai login user password {'k' * 40}\n")
+    assert has_credentials() and resolve_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")  # an on-prem server
+    assert resolve_mode("auto") == "offline"
 
 
-def test_resolve_mode_auto_tolerates_broken_netrc(netrc_home: Path) -> None:
-    """An unparsable netrc means 'no credentials', not a crash."""
-    (netrc_home / ".netrc").write_text("machine\n")
-    assert resolve_mode("auto", environ={"HOME": str(netrc_home)}) == "offline"
+def test_resolve_mode_auto_tolerates_broken_credentials(w_and_b_env: Path, monkeypatch) -> None:
+    """An unparsable netrc or a malformed key means 'offline', not a crash."""
+    (w_and_b_env / ".netrc").write_text("machine\n")
+    assert resolve_mode("auto") == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "short")
+    assert resolve_mode("auto") == "offline"
 
 
-def test_resolve_mode_explicit_and_env_override(netrc_home: Path) -> None:
+def test_resolve_mode_explicit_and_env_override(w_and_b_env: Path, monkeypatch) -> None:
     """Explicit modes pass through; WANDB_MODE steers 'auto'."""
-    env = {"HOME": str(netrc_home), "WANDB_API_KEY": "k" * 40}
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
     for mode in ("online", "offline", "disabled"):
-        assert resolve_mode(mode, environ={}) == mode
-    assert resolve_mode("auto", environ=env | {"WANDB_MODE": "offline"}) == "offline"
-    assert resolve_mode("auto", environ=env | {"WANDB_MODE": "dryrun"}) == "offline"
-    assert resolve_mode("auto", environ=env | {"WANDB_MODE": "bogus"}) == "online"
+        assert resolve_mode(mode) == mode
+    for value, expected in (("offline", "offline"), ("dryrun", "offline"), ("bogus", "online")):
+        monkeypatch.setenv("WANDB_MODE", value)
+        assert resolve_mode("auto") == expected
     with pytest.raises(ValueError, match="'cloud'"):
         resolve_mode("cloud")
