@@ -11,6 +11,8 @@ module does not import Hydra, so a device does not need it.
 
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,11 +264,18 @@ def decode_spec(text: str, *, strategy: type[StrategyConfig]) -> RunSpec:
     ValueError
         Naming the offending key: unknown or mistyped (OmegaConf's errors, re-raised).
     """
-    schema = OmegaConf.structured(RunSpec(strategy=strategy()))
     try:
-        return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.create(text)))  # type: ignore[return-value]
+        return copy.deepcopy(_decode(text, strategy))  # a private copy: callers may change it
     except OmegaConfBaseException as err:  # an unknown key is a KeyError: one type for callers
         raise ValueError(f"run spec refused: {err}") from err
+
+
+@functools.lru_cache(maxsize=4)
+def _decode(text: str, strategy: type[StrategyConfig]) -> RunSpec:
+    # A memo of a pure function: every message of a run carries the same spec, and
+    # OmegaConf's validation costs ~13 ms, a tenth of a small client's round.
+    schema = OmegaConf.structured(RunSpec(strategy=strategy()))
+    return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.create(text)))  # type: ignore[return-value]
 
 
 def to_object(node: Any) -> Any:

@@ -29,6 +29,8 @@ from splitlearn.dataplane.service import EXCHANGE_METHOD, TOKEN_METADATA_KEY
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 #: One-way frames (smashed data) a client may have sent but not seen acknowledged.
 DEFAULT_WINDOW = 32
+#: How often a stream's watchdog looks for an overdue reply (its deadline's precision).
+WATCHDOG_PERIOD_S = 0.05
 _END = object()
 
 
@@ -94,25 +96,29 @@ class GrpcTransport:
             creds = grpc.ssl_channel_credentials(root_certificates)
             self._channel = grpc.secure_channel(address, creds, options=options)
         self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._replies: queue.SimpleQueue[bytes | TrunkRejected] = queue.SimpleQueue()
         self._call = self._channel.stream_stream(EXCHANGE_METHOD)(
             self._request_iterator(), metadata=((TOKEN_METADATA_KEY, token),),
             timeout=stream_timeout_s,
         )
-        self._reader = threading.Thread(target=self._read, name="trunk-replies", daemon=True)
-        self._reader.start()
+        # Replies are read on the caller's thread (a reader thread would add a hand-off
+        # per batch); a watchdog cancels the stream when a reply is overdue.
+        self._deadline: float | None = None
+        self._overdue = False
+        self._failure: TrunkRejected | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="trunk-deadline", daemon=True).start()
 
     def _request_iterator(self) -> Iterator[bytes]:
         while (item := self._requests.get()) is not _END:
             yield item  # type: ignore[misc]
 
-    def _read(self) -> None:
-        try:
-            for reply in self._call:
-                self._replies.put(reply)
-            self._replies.put(TrunkRejected("the trunk closed the stream"))
-        except grpc.RpcError as err:
-            self._replies.put(TrunkRejected(_describe(err)))
+    def _watch(self) -> None:
+        while not self._done.wait(WATCHDOG_PERIOD_S):
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline:
+                self._overdue = True
+                self._call.cancel()
+                return
 
     def send(self, data: bytes) -> None:
         """Queue one frame on the stream."""
@@ -120,23 +126,32 @@ class GrpcTransport:
 
     def receive(self, timeout_s: float) -> bytes:
         """Return the next reply; cancel the stream if none comes within ``timeout_s``."""
+        if self._failure is not None:  # every later receive fails the same way
+            raise self._failure
+        self._deadline = time.monotonic() + timeout_s
         try:
-            reply = self._replies.get(timeout=timeout_s)
-        except queue.Empty:
-            self.abort()
-            raise TrunkRejected(f"no reply from the trunk within {timeout_s:g} s") from None
-        if isinstance(reply, TrunkRejected):
-            self._replies.put(reply)  # every later receive fails the same way
-            raise reply
-        return reply
+            return next(self._call)
+        except grpc.RpcError as err:
+            self._failure = TrunkRejected(
+                f"no reply from the trunk within {timeout_s:g} s" if self._overdue
+                else _describe(err)
+            )
+        except StopIteration:
+            self._failure = TrunkRejected("the trunk closed the stream")
+        finally:
+            self._deadline = None
+        self._done.set()
+        raise self._failure
 
     def close(self) -> None:
         """Half-close the stream and release the channel."""
+        self._done.set()
         self._requests.put(_END)
         self._channel.close()
 
     def abort(self) -> None:
         """Cancel the stream and release the channel."""
+        self._done.set()
         self._call.cancel()
         self._channel.close()
 
