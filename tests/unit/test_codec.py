@@ -150,3 +150,21 @@ def test_structured_garbage_is_refused_and_the_trunk_stays_finite(kind, activati
     assert reply.WhichOneof("kind") == "refusal"  # nothing here is a valid batch
     assert pb.Refusal.Reason.Name(reply.refusal.reason) != "REPLAYED"
     assert all(torch.isfinite(p).all() for p in trunk.model.parameters())
+
+
+def test_the_generated_code_is_what_trunk_proto_compiles_to(tmp_path):
+    """trunk_pb2.py is kept with the .proto; regenerating it must change nothing."""
+    from pathlib import Path
+
+    from grpc_tools import protoc
+
+    root = Path(__file__).resolve().parents[2]
+    proto = "splitlearn/dataplane/trunk.proto"
+    assert protoc.main(["protoc", f"-I{root}", f"--python_out={tmp_path}",
+                        f"--pyi_out={tmp_path}", str(root / proto)]) == 0
+    for generated in ("trunk_pb2.py", "trunk_pb2.pyi"):
+        fresh = (tmp_path / "splitlearn" / "dataplane" / generated).read_text()
+        assert fresh == (root / "splitlearn" / "dataplane" / generated).read_text(), (
+            f"{generated} is stale: python -m grpc_tools.protoc -I. --python_out=. "
+            f"--pyi_out=. {proto}"
+        )
