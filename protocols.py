@@ -32,8 +32,8 @@ from server.sessions.smashed import local_loss_sessions
 from server.sessions.split import per_client_sessions, shared_sessions, splitfed_v2_sessions
 from server.sessions.ushaped import ushaped_sessions
 from server.trunk import Trunk
-from splitlearn.config import CONF_DIR, Config, StrategyConfig, run_spec, to_object
-from splitlearn.dataplane import Limits, SessionHandler
+from splitlearn.config import CONF_DIR, Config, DataPlaneConfig, StrategyConfig, run_spec, to_object
+from splitlearn.dataplane import SessionHandler
 from strategies.local_loss import LocalLossOptions, LocalLossSplit
 from strategies.reporting import FedAvgOptions, ReportingFedAvg
 from strategies.sequential import SequentialOptions, SequentialSplit
@@ -42,7 +42,7 @@ from strategies.splitfed import SplitFed, SplitFedV1Options, SplitFedV2Options
 from strategies.ushaped import UShapedOptions
 
 #: Builds a protocol's session handler on the trunk from its options and the limits.
-TrunkFactory = Callable[[Trunk, StrategyConfig, Limits], SessionHandler]
+TrunkFactory = Callable[[Trunk, StrategyConfig, DataPlaneConfig], SessionHandler]
 
 
 @dataclass(frozen=True)

@@ -211,12 +211,11 @@ def status_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
     try:
         return call_next(msg, context)
     except (DeviceFailure, PrivacyBudgetExhausted, TrunkRejected) as declined:
-        kind = getattr(declined, "kind", "refused")
         metrics = MetricRecord({"partition-id": _partition(context)["partition_id"]})
         if isinstance(declined, PrivacyBudgetExhausted):
             metrics["epsilon"] = declined.epsilon_spent
         content = RecordDict({
-            STATUS_KEY: ConfigRecord({"status": kind, "reason": str(declined)}),
+            STATUS_KEY: ConfigRecord({"status": declined.kind, "reason": str(declined)}),
             "metrics": metrics,
         })
         return Message(content=content, reply_to=msg)

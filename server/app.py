@@ -34,9 +34,9 @@ from protocols import Protocol, check_config, compose_config, protocol_named
 from server.trunk import Trunk
 from splitlearn.aux_head import without_aux
 from splitlearn.calibration import measure_host_flops_per_s
-from splitlearn.config import RunSpec, run_spec, to_container, to_object
+from splitlearn.config import DataPlaneConfig, RunSpec, run_spec, to_container, to_object
 from splitlearn.data import held_out_dataset
-from splitlearn.dataplane import Limits, TokenRegistry, TrunkEndpoint, TrunkService
+from splitlearn.dataplane import TokenRegistry, TrunkEndpoint, TrunkService
 from splitlearn.evaluation import evaluate_model
 from splitlearn.models import SplittableModel
 from splitlearn.models.factory import build_model_from_config, source_module
@@ -76,11 +76,7 @@ def build_trunk(cfg: DictConfig) -> tuple[Trunk, Any, TokenRegistry, TrunkEndpoi
     model = build_model_from_config(to_object(cfg.model), to_object(cfg.dataset), seed=cfg.seed)
     s = cfg.strategy
     trunk = Trunk(model, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
-    d = cfg.dataplane
-    limits = Limits(
-        max_frame_bytes=d.max_frame_bytes, max_batch=d.max_batch, max_abs_value=d.max_abs_value,
-        streams_per_token=d.streams_per_token, idle_timeout_s=d.idle_timeout_s,
-    )
+    limits: DataPlaneConfig = to_object(cfg.dataplane)
     handler = protocol.trunk(trunk, to_object(s), limits) if protocol.trunk else None
     tokens = TokenRegistry()
     handlers = {protocol.name: handler} if handler is not None else {}

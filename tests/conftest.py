@@ -17,11 +17,10 @@ from omegaconf import DictConfig
 
 from protocols import compose_config, protocol_named
 from server.trunk import Trunk
-from splitlearn.config import StrategyConfig
+from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane import (
     GrpcTransport,
     InProcessTransport,
-    Limits,
     SessionHandler,
     TokenRegistry,
     TrunkChannel,
@@ -66,14 +65,14 @@ def start_trunk_server(
     protocol: str = "splitfed_v2",
     options: StrategyConfig | None = None,
     lr: float = 0.1,
-    limits: Limits | None = None,
-    handler: Callable[[Trunk, Limits], SessionHandler] | None = None,
+    limits: DataPlaneConfig | None = None,
+    handler: Callable[[Trunk, DataPlaneConfig], SessionHandler] | None = None,
     **service_kwargs,
 ) -> TrunkServer:
     """Serve a copy of ``model`` with ``protocol``'s session handler (or ``handler``)."""
     server_model = copy.deepcopy(model)
     trunk = Trunk(server_model, lr=lr)
-    limits = limits or Limits(max_frame_bytes=1 << 20, max_batch=64)
+    limits = limits or DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64)
     spec = protocol_named(protocol)
     if handler is not None:
         session_handler = handler(trunk, limits)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 
 import torch
@@ -60,10 +59,6 @@ def send_raw(channel: TrunkChannel, data: bytes) -> pb.Reply:
     channel.transport.send(data)
     return pb.Reply.FromString(channel.transport.receive(30.0))
 
-
-def deep_copy(model: SplittableModel) -> SplittableModel:
-    """An independent copy (readability at call sites)."""
-    return copy.deepcopy(model)
 
 
 class ScriptedGrid(Grid):

@@ -22,9 +22,8 @@ from torch import nn
 
 from server.sessions.split import BatchingSplitSession, SharedTrunk, Slot, StepResult
 from server.trunk import Trunk
-from splitlearn.config import StrategyConfig
+from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane.codec import FrameError, Reason, magnitude
-from splitlearn.dataplane.endpoint import Limits
 
 
 class SGLRSession(BatchingSplitSession):
@@ -34,7 +33,7 @@ class SGLRSession(BatchingSplitSession):
     ----------
     pool : SharedTrunk
         The shared trunk.
-    limits : Limits
+    limits : DataPlaneConfig
         Batch size and value bounds.
     timeout_s : float
         Longest a batch waits for the other attached sessions' batches.
@@ -43,7 +42,8 @@ class SGLRSession(BatchingSplitSession):
     """
 
     def __init__(
-        self, pool: SharedTrunk, *, limits: Limits, timeout_s: float, server_lr_scale: float
+        self, pool: SharedTrunk, *, limits: DataPlaneConfig, timeout_s: float,
+        server_lr_scale: float,
     ) -> None:
         super().__init__(pool, limits=limits, timeout_s=timeout_s)
         self.server_lr_scale = server_lr_scale
@@ -71,7 +71,7 @@ class SGLRSession(BatchingSplitSession):
         return results
 
 
-def sglr_sessions(trunk: Trunk, options: StrategyConfig, limits: Limits) -> SGLRSession:
+def sglr_sessions(trunk: Trunk, options: StrategyConfig, limits: DataPlaneConfig) -> SGLRSession:
     """SGLR sessions on the shared trunk."""
     return SGLRSession(
         SharedTrunk(trunk), limits=limits,

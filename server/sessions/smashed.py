@@ -32,19 +32,16 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from server.sessions.split import SharedTrunk, train_on_batch
+from server.sessions.split import SharedTrunk, checked_batch, train_on_batch
 from server.trunk import Trunk
-from splitlearn.config import StrategyConfig
+from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import (
     FrameError,
     Reason,
-    check_activations,
-    check_labels,
     encode_tensor,
-    present,
 )
-from splitlearn.dataplane.endpoint import Limits, Session
+from splitlearn.dataplane.endpoint import Session
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +65,7 @@ class SmashedSession:
     ----------
     pool : SharedTrunk
         The shared trunk.
-    limits : Limits
+    limits : DataPlaneConfig
         Batch size and value bounds.
     max_queue_bytes : int
         Most bytes of batches waiting to be trained.
@@ -79,7 +76,7 @@ class SmashedSession:
     """
 
     def __init__(
-        self, pool: SharedTrunk, *, limits: Limits, max_queue_bytes: int,
+        self, pool: SharedTrunk, *, limits: DataPlaneConfig, max_queue_bytes: int,
         put_timeout_s: float = 60.0, drain_timeout_s: float = 600.0,
     ) -> None:
         if max_queue_bytes < 1:
@@ -102,15 +99,7 @@ class SmashedSession:
         self._worker: threading.Thread | None = None
 
     def _checked(self, client: str, cut: int, part: pb.Smashed) -> _Batch:
-        acts = check_activations(
-            present(part, "activations"), cut_shape=self.trunk.cut_shape(cut),
-            max_batch=self.limits.max_batch, max_bytes=self.limits.max_frame_bytes,
-            max_abs=self.limits.max_abs_value,
-        )
-        labels = check_labels(
-            present(part, "labels"), batch=len(acts), num_classes=self.trunk.num_classes,
-            max_bytes=self.limits.max_frame_bytes,
-        )
+        acts, labels = checked_batch(part, trunk=self.trunk, cut=cut, limits=self.limits)
         return _Batch(client, cut, acts, labels)
 
     def handle(self, session: Session, request: pb.Request) -> pb.Reply:
@@ -218,7 +207,9 @@ class SmashedSession:
         """Queued batches stay until the round ends (the client may still finish)."""
 
 
-def local_loss_sessions(trunk: Trunk, options: StrategyConfig, limits: Limits) -> SmashedSession:
+def local_loss_sessions(
+    trunk: Trunk, options: StrategyConfig, limits: DataPlaneConfig
+) -> SmashedSession:
     """Smashed-data sessions with a queue of ``strategy.queue_bytes``."""
     return SmashedSession(
         SharedTrunk(trunk), limits=limits,

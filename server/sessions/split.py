@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from server.trunk import Trunk
-from splitlearn.config import StrategyConfig
+from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import (
     FrameError,
@@ -39,7 +39,7 @@ from splitlearn.dataplane.codec import (
     magnitude,
     present,
 )
-from splitlearn.dataplane.endpoint import Limits, Session
+from splitlearn.dataplane.endpoint import Session
 
 
 class SharedTrunk:
@@ -114,6 +114,23 @@ def train_on_batch(trunk: Trunk, cut: int, activations: Tensor, labels: Tensor) 
     return StepResult(acts.grad, losses.detach(), logits.argmax(dim=1) == labels)
 
 
+def checked_batch(
+    part: pb.Forward | pb.Evaluate | pb.Smashed, *, trunk: Trunk, cut: int,
+    limits: DataPlaneConfig,
+) -> tuple[Tensor, Tensor]:
+    """Decode a request's activations and labels, checked against the client's cut."""
+    acts = check_activations(
+        present(part, "activations"), cut_shape=trunk.cut_shape(cut),
+        max_batch=limits.max_batch, max_bytes=limits.max_frame_bytes,
+        max_abs=limits.max_abs_value,
+    )
+    labels = check_labels(
+        present(part, "labels"), batch=len(acts), num_classes=trunk.num_classes,
+        max_bytes=limits.max_frame_bytes,
+    )
+    return acts, labels
+
+
 @torch.no_grad()
 def evaluate_batch(trunk: Trunk, cut: int, activations: Tensor, labels: Tensor) -> pb.Metrics:
     """Mean loss and hits of one batch in eval mode, without an update."""
@@ -130,11 +147,11 @@ class SplitSession:
     ----------
     pool : SharedTrunk | TrunkPerClient
         Which trunk each client trains.
-    limits : Limits
+    limits : DataPlaneConfig
         Batch size and value bounds for the activations.
     """
 
-    def __init__(self, pool: SharedTrunk | TrunkPerClient, *, limits: Limits) -> None:
+    def __init__(self, pool: SharedTrunk | TrunkPerClient, *, limits: DataPlaneConfig) -> None:
         self.pool = pool
         self.limits = limits
 
@@ -145,18 +162,10 @@ class SplitSession:
             raise FrameError(
                 Reason.UNEXPECTED_KIND, f"split sessions send 'forward' or 'evaluate', not {kind!r}"
             )
-        part = getattr(request, kind)
-        cut, client = session.grant.cut, session.grant.client
-        trunk = self.pool.trunk_for(client)
-        acts = check_activations(
-            present(part, "activations"), cut_shape=trunk.cut_shape(cut),
-            max_batch=self.limits.max_batch, max_bytes=self.limits.max_frame_bytes,
-            max_abs=self.limits.max_abs_value,
-        )
-        labels = check_labels(
-            present(part, "labels"), batch=len(acts), num_classes=trunk.num_classes,
-            max_bytes=self.limits.max_frame_bytes,
-        )
+        cut = session.grant.cut
+        trunk = self.pool.trunk_for(session.grant.client)
+        acts, labels = checked_batch(getattr(request, kind), trunk=trunk, cut=cut,
+                                     limits=self.limits)
         if kind == "evaluate":
             return pb.Reply(metrics=evaluate_batch(trunk, cut, acts, labels))
         result = self.train(session, trunk, acts, labels)
@@ -198,13 +207,13 @@ class BatchingSplitSession(SplitSession):
     ----------
     pool : SharedTrunk
         The shared trunk.
-    limits : Limits
+    limits : DataPlaneConfig
         As for :class:`SplitSession`.
     timeout_s : float
         Longest a batch waits for the other attached sessions' batches.
     """
 
-    def __init__(self, pool: SharedTrunk, *, limits: Limits, timeout_s: float) -> None:
+    def __init__(self, pool: SharedTrunk, *, limits: DataPlaneConfig, timeout_s: float) -> None:
         super().__init__(pool, limits=limits)
         self.timeout_s = timeout_s
         self.attached = 0
@@ -270,17 +279,21 @@ class BatchingSplitSession(SplitSession):
 
 
 
-def shared_sessions(trunk: Trunk, options: StrategyConfig, limits: Limits) -> SplitSession:
+def shared_sessions(trunk: Trunk, options: StrategyConfig, limits: DataPlaneConfig) -> SplitSession:
     """Split sessions on one shared trunk (sequential SL)."""
     return SplitSession(SharedTrunk(trunk), limits=limits)
 
 
-def per_client_sessions(trunk: Trunk, options: StrategyConfig, limits: Limits) -> SplitSession:
+def per_client_sessions(
+    trunk: Trunk, options: StrategyConfig, limits: DataPlaneConfig
+) -> SplitSession:
     """Split sessions on a trunk copy per client (SplitFed v1)."""
     return SplitSession(TrunkPerClient(trunk), limits=limits)
 
 
-def splitfed_v2_sessions(trunk: Trunk, options: StrategyConfig, limits: Limits) -> SplitSession:
+def splitfed_v2_sessions(
+    trunk: Trunk, options: StrategyConfig, limits: DataPlaneConfig
+) -> SplitSession:
     """Split sessions on the shared trunk, batched over connected clients if asked."""
     if options.batch_concurrent:  # type: ignore[attr-defined]
         return BatchingSplitSession(

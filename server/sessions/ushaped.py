@@ -36,7 +36,7 @@ from torch import Tensor
 
 from server.sessions.split import SharedTrunk
 from server.trunk import Trunk
-from splitlearn.config import StrategyConfig
+from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import (
     FrameError,
@@ -47,7 +47,7 @@ from splitlearn.dataplane.codec import (
     magnitude,
     present,
 )
-from splitlearn.dataplane.endpoint import Limits, Session
+from splitlearn.dataplane.endpoint import Session
 
 
 @dataclass
@@ -74,11 +74,11 @@ class UShapedSession:
         The shared trunk.
     tail_cut : int
         The trunk runs stages ``[cut, tail_cut)``; the device keeps the rest.
-    limits : Limits
+    limits : DataPlaneConfig
         Batch size and value bounds.
     """
 
-    def __init__(self, pool: SharedTrunk, *, tail_cut: int, limits: Limits) -> None:
+    def __init__(self, pool: SharedTrunk, *, tail_cut: int, limits: DataPlaneConfig) -> None:
         self.pool = pool
         self.trunk: Trunk = pool.trunk
         self.tail_cut = tail_cut
@@ -188,7 +188,9 @@ class UShapedSession:
         """Nothing to merge: the shared trunk stepped as batches arrived."""
 
 
-def ushaped_sessions(trunk: Trunk, options: StrategyConfig, limits: Limits) -> UShapedSession:
+def ushaped_sessions(
+    trunk: Trunk, options: StrategyConfig, limits: DataPlaneConfig
+) -> UShapedSession:
     """U-shaped sessions on the shared trunk, up to the configured tail cut."""
     tail_cut = options.tail_cut or trunk.model.num_stages - 1  # type: ignore[attr-defined]
     return UShapedSession(SharedTrunk(trunk), tail_cut=tail_cut, limits=limits)

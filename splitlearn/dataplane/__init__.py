@@ -12,7 +12,7 @@ from splitlearn.dataplane.channel import (
     TrunkRejected,
 )
 from splitlearn.dataplane.codec import FrameError, Reason
-from splitlearn.dataplane.endpoint import Limits, Session, SessionHandler, TrunkEndpoint
+from splitlearn.dataplane.endpoint import Session, SessionHandler, TrunkEndpoint
 from splitlearn.dataplane.service import TrunkService
 from splitlearn.dataplane.tokens import SessionGrant, TokenRegistry
 
@@ -20,7 +20,6 @@ __all__ = [
     "FrameError",
     "GrpcTransport",
     "InProcessTransport",
-    "Limits",
     "Reason",
     "Session",
     "SessionGrant",

@@ -37,6 +37,9 @@ _END = object()
 class TrunkRejected(RuntimeError):
     """The trunk refused a request or the session ended; the message says why."""
 
+    #: Reply status of a client whose round the trunk refused.
+    kind = "refused"
+
 
 class Transport(Protocol):
     """Moves frames to the trunk and its replies back, in order."""

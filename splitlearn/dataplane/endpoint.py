@@ -19,36 +19,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from splitlearn.config import DataPlaneConfig
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import FrameError, Reason, decode_request, refusal
 from splitlearn.dataplane.tokens import SessionGrant, TokenRegistry
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the endpoint accepts (the ``dataplane`` config group's limits).
-
-    Parameters
-    ----------
-    max_frame_bytes : int
-        Largest request frame.
-    max_batch : int
-        Most rows in a batch.
-    max_abs_value : float
-        Largest finite magnitude accepted in activations and gradients.
-    streams_per_token : int
-        Streams one token may hold open at once; more are refused at once.
-    idle_timeout_s : float
-        A stream without a request for this long is closed.
-    """
-
-    max_frame_bytes: int = 64 * 1024 * 1024
-    max_batch: int = 4096
-    max_abs_value: float = 1e6
-    streams_per_token: int = 1
-    idle_timeout_s: float = 300.0
 
 
 class SessionRefused(Exception):
@@ -95,12 +71,14 @@ class TrunkEndpoint:
         Protocol name (as in a grant) -> its handler.
     tokens : TokenRegistry
         Checked on every frame; revocation closes the round's streams.
-    limits : Limits
-        What is accepted.
+    limits : DataPlaneConfig
+        What is accepted: frame and batch size, value bound, streams per token,
+        idle timeout (the ``dataplane`` config group).
     """
 
     def __init__(
-        self, handlers: Mapping[str, SessionHandler], tokens: TokenRegistry, *, limits: Limits
+        self, handlers: Mapping[str, SessionHandler], tokens: TokenRegistry, *,
+        limits: DataPlaneConfig,
     ) -> None:
         self.handlers = dict(handlers)
         self.tokens = tokens

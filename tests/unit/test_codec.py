@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from server.sessions.split import SharedTrunk, SplitSession
 from server.trunk import Trunk
-from splitlearn.dataplane import FrameError, Limits, TokenRegistry, TrunkEndpoint
+from splitlearn.config import DataPlaneConfig
+from splitlearn.dataplane import FrameError, TokenRegistry, TrunkEndpoint
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import (
     MAX_DIMS,
@@ -104,7 +105,7 @@ def fuzz_endpoint():
     """An endpoint with a real split session on a small trunk, and a valid session."""
     model = digits_like_model("cnn")
     trunk = Trunk(copy.deepcopy(model), lr=0.1)
-    limits = Limits(max_frame_bytes=MAX, max_batch=16)
+    limits = DataPlaneConfig(max_frame_bytes=MAX, max_batch=16)
     tokens = TokenRegistry()
     endpoint = TrunkEndpoint({"split": SplitSession(SharedTrunk(trunk), limits=limits)}, tokens,
                              limits=limits)

@@ -35,10 +35,9 @@ from splitlearn.aux_head import (
     split_client_state,
     without_aux,
 )
-from splitlearn.config import PrivacyConfig, RunSpec
+from splitlearn.config import DataPlaneConfig, PrivacyConfig, RunSpec
 from splitlearn.dataplane import (
     FrameError,
-    Limits,
     Reason,
     TokenRegistry,
     TrunkChannel,
@@ -55,7 +54,7 @@ from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import max_param_diff, send_raw
 
 LR = 0.1
-LIMITS = Limits(max_frame_bytes=1 << 20, max_batch=64)
+LIMITS = DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64)
 
 
 def ll_spec(*, bulk: bool = False, aux_hidden: int = 0, cut: int = 1, **options) -> RunSpec:
@@ -104,7 +103,7 @@ def gated_server(factory, model, gate: threading.Event, **session_kw):
     """A local-loss data plane whose trunk steps wait at ``gate``."""
     options = {"max_queue_bytes": 1 << 22} | session_kw
 
-    def handler(trunk: Trunk, limits: Limits) -> SmashedSession:
+    def handler(trunk: Trunk, limits: DataPlaneConfig) -> SmashedSession:
         return SmashedSession(SharedTrunk(GatedTrunk(trunk.model, lr=LR, gate=gate)),
                               limits=limits, **options)
 

@@ -19,10 +19,9 @@ from clients.steps.split import SplitStep
 from clients.steps.ushaped import UShapedStep
 from protocols import check_config, protocol_named
 from server.trunk import Trunk
-from splitlearn.config import PrivacyConfig, RunSpec, StrategyConfig, to_object
+from splitlearn.config import DataPlaneConfig, PrivacyConfig, RunSpec, StrategyConfig, to_object
 from splitlearn.dataplane import (
     InProcessTransport,
-    Limits,
     TokenRegistry,
     TrunkChannel,
     TrunkEndpoint,
@@ -141,7 +140,7 @@ class LocalTrunk:
     def __init__(self, model, protocol: str, options: StrategyConfig, *, lr: float = 0.1) -> None:
         self.protocol = protocol
         self.trunk = Trunk(copy.deepcopy(model), lr=lr)
-        limits = Limits(max_frame_bytes=1 << 22, max_batch=64)
+        limits = DataPlaneConfig(max_frame_bytes=1 << 22, max_batch=64)
         factory = protocol_named(protocol).trunk
         assert factory is not None
         self.handler = factory(self.trunk, options, limits)

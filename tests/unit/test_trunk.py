@@ -28,7 +28,8 @@ from server.sessions.split import (
     train_on_batch,
 )
 from server.trunk import Trunk
-from splitlearn.dataplane import FrameError, Limits, Reason, Session, SessionGrant, TrunkRejected
+from splitlearn.config import DataPlaneConfig
+from splitlearn.dataplane import FrameError, Reason, Session, SessionGrant, TrunkRejected
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor, encode_tensor
 from tests.conftest import digits_like_model, fixed_batches
@@ -36,7 +37,7 @@ from tests.helpers import max_param_diff
 
 CUT = 2
 LR = 0.1
-LIMITS = Limits(max_frame_bytes=1 << 20, max_batch=64)
+LIMITS = DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64)
 
 
 def activations(model, seed: int, batch: int = 8, cut: int = CUT) -> tuple[Tensor, Tensor]:
@@ -208,7 +209,7 @@ def test_near_float32_max_without_a_bound_is_refused_as_a_non_finite_step(
     trunk_server_factory,
 ):
     model = digits_like_model("resnet")  # batch norm after the cut
-    unbounded = Limits(max_frame_bytes=1 << 20, max_batch=64, max_abs_value=float("inf"))
+    unbounded = DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64, max_abs_value=float("inf"))
     server = trunk_server_factory(model, lr=LR, limits=unbounded)
     before = copy.deepcopy(server.model.state_dict())
     channel = server.local_channel(server.token(CUT))
@@ -231,8 +232,8 @@ def test_near_float32_max_with_the_default_bound_is_refused_as_out_of_range(
     trunk_server_factory,
 ):
     model = digits_like_model("resnet")
-    assert Limits().max_abs_value < 3.0e38
-    server = trunk_server_factory(model, lr=LR, limits=Limits(max_frame_bytes=1 << 20))
+    assert DataPlaneConfig().max_abs_value < 3.0e38
+    server = trunk_server_factory(model, lr=LR, limits=DataPlaneConfig(max_frame_bytes=1 << 20))
     before = copy.deepcopy(server.model.state_dict())
     channel = server.local_channel(server.token(CUT))
     with pytest.raises(TrunkRejected, match="^OUT_OF_RANGE: activations reach"):
@@ -373,7 +374,7 @@ def test_a_session_that_detaches_releases_the_batches_waiting_for_it():
 def test_a_refused_batching_step_refuses_every_batch_in_it_and_changes_nothing():
     model = digits_like_model()
     trunk = Trunk(copy.deepcopy(model), lr=LR)
-    unbounded = Limits(max_frame_bytes=1 << 20, max_batch=64, max_abs_value=float("inf"))
+    unbounded = DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64, max_abs_value=float("inf"))
     handler = BatchingSplitSession(SharedTrunk(trunk), limits=unbounded, timeout_s=30.0)
     sessions = [grant_session("a"), grant_session("b")]
     for s in sessions:

@@ -25,6 +25,7 @@ from server.sessions.ushaped import UShapedSession, ushaped_sessions
 from server.trunk import Trunk
 from splitlearn.calibration import client_train_memory_bytes
 from splitlearn.config import (
+    DataPlaneConfig,
     DeviceProfileConfig,
     DevicesConfig,
     PrivacyConfig,
@@ -33,7 +34,7 @@ from splitlearn.config import (
     encode_spec,
     run_spec,
 )
-from splitlearn.dataplane import Limits, TokenRegistry, TrunkChannel, TrunkRejected
+from splitlearn.dataplane import TokenRegistry, TrunkChannel, TrunkRejected
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import encode_tensor
 from splitlearn.planning.clock import ClientMeasurement
@@ -409,7 +410,7 @@ def test_tail_cut_travels_in_the_spec_and_defaults_to_zero():
 
 def test_the_trunk_side_resolves_the_tail_cut():
     model = digits_like_model("cnn")
-    limits = Limits()
+    limits = DataPlaneConfig()
     for tail_cut, expected in [(0, 4), (3, 3)]:
         handler = ushaped_sessions(Trunk(copy.deepcopy(model), lr=LR),
                                    UShapedOptions(tail_cut=tail_cut), limits)
