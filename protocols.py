@@ -34,6 +34,7 @@ from server.sessions.ushaped import ushaped_sessions
 from server.trunk import Trunk
 from splitlearn.config import CONF_DIR, Config, DataPlaneConfig, StrategyConfig, run_spec, to_object
 from splitlearn.dataplane import SessionHandler
+from splitlearn.models import SplittableModel
 from strategies.local_loss import LocalLossOptions, LocalLossSplit
 from strategies.reporting import FedAvgOptions, ReportingFedAvg
 from strategies.sequential import SequentialOptions, SequentialSplit
@@ -54,12 +55,16 @@ class Protocol:
     strategy: type[ReportingFedAvg]
     client: type[ClientStep]
     trunk: TrunkFactory | None
+    #: Whether clients of one round may hold different cuts (``planner=`` other than uniform).
+    per_client_cuts: bool = False
 
 
 PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (
     Protocol("fedavg", FedAvgOptions, ReportingFedAvg, WholeModelStep, None),
-    Protocol("splitfed_v2", SplitFedV2Options, SplitFed, SplitStep, splitfed_v2_sessions),
-    Protocol("splitfed_v1", SplitFedV1Options, SplitFed, SplitStep, per_client_sessions),
+    Protocol("splitfed_v2", SplitFedV2Options, SplitFed, SplitStep, splitfed_v2_sessions,
+             per_client_cuts=True),
+    Protocol("splitfed_v1", SplitFedV1Options, SplitFed, SplitStep, per_client_sessions,
+             per_client_cuts=True),
     Protocol("sequential", SequentialOptions, SequentialSplit, SplitStep, shared_sessions),
     Protocol("ushaped", UShapedOptions, SplitFed, UShapedStep, ushaped_sessions),
     Protocol("local_loss", LocalLossOptions, LocalLossSplit, LocalLossStep, local_loss_sessions),
@@ -134,6 +139,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(
             f"privacy=activation_gaussian protects activations; strategy={protocol.name} sends none"
         )
+    check_planner(config, protocol, model)
     build_fleet(num_clients=config.num_clients, mix=config.devices.mix,
                 profiles={k: vars(v) for k, v in config.devices.profiles.items()},
                 seed=config.seed)
@@ -142,3 +148,29 @@ def check_config(cfg: DictConfig) -> None:
             f"strategy.min_train_nodes={config.strategy.min_train_nodes} exceeds "
             f"num_clients={config.num_clients}: no round could start"
         )
+
+
+def check_planner(config: Config, protocol: Protocol, model: SplittableModel) -> None:
+    """Refuse a planner the protocol or the model cannot follow (ValueError naming the key)."""
+    planner = config.planner
+    if not planner.adaptive:
+        return
+    if not protocol.per_client_cuts:
+        accepted = sorted(p.name for p in PROTOCOLS.values() if p.per_client_cuts)
+        raise ValueError(
+            f"planner={planner.name} gives clients different cuts; strategy={protocol.name} "
+            f"needs one cut for all (planner=uniform), or use strategy in {accepted}"
+        )
+    if config.privacy.name == "activation_gaussian":
+        raise ValueError(
+            f"planner={planner.name} with privacy=activation_gaussian: activation noise is "
+            "calibrated at one cut; use planner=uniform"
+        )
+    for cut in planner.cuts or []:
+        try:
+            model.check_cut(cut)
+        except ValueError as err:
+            raise ValueError(f"planner.cuts: {err}") from err
+    unknown = sorted(set(planner.leak) - set(model.valid_cuts))
+    if unknown:
+        raise ValueError(f"planner.leak names cuts {unknown}; valid cuts: {model.valid_cuts}")

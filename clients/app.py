@@ -16,8 +16,9 @@ privacy spend) is kept because the round did not fail.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -30,6 +31,7 @@ from clients.device import (
     DeviceFailure,
     DevicePlan,
     InjectedDropout,
+    MemoryBudgetExceeded,
     Pacer,
     plan_round,
     virtual_time,
@@ -42,7 +44,7 @@ from splitlearn.data import client_dataset
 from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
 from splitlearn.models.factory import build_model_from_config
 from splitlearn.privacy import PrivacyAccountant, PrivacyBudgetExhausted, make_client_privacy
-from splitlearn.wire import record_to_state, state_to_record
+from splitlearn.wire import record_bytes, record_to_state, state_to_record
 from strategies.reporting import ROUND_KEY, SPEC_KEY, STATUS_KEY
 
 #: ``context.state`` key of this node's privacy accountant history.
@@ -70,6 +72,7 @@ class ClientRound:
     spec: RunSpec
     server_round: int
     cut: int
+    checkpoint: bool
     token: str
     trunk_address: str
     partition_id: int
@@ -83,6 +86,7 @@ class ClientRound:
         data = msg.content[ROUND_KEY]
         return cls(
             protocol, spec, int(data["server_round"]), int(data["cut"]),
+            bool(data.get("checkpoint", False)),
             str(data.get("token", "")), str(data.get("trunk_address", "")),
             **_partition(context),
         )
@@ -90,7 +94,7 @@ class ClientRound:
     def step(self, arrays: ArrayRecord) -> ClientStep:
         """Build the protocol's step on a fresh model holding the server's weights."""
         model = build_model_from_config(self.spec.model, self.spec.dataset)
-        step = self.protocol.client(model, self.spec, cut=self.cut)
+        step = self.protocol.client(model, self.spec, cut=self.cut, checkpoint=self.checkpoint)
         step.load(record_to_state(arrays))
         return step
 
@@ -132,6 +136,7 @@ def _dropout_hook(plan: DevicePlan, channel: TrunkChannel | None) -> Callable[[i
 def train(rnd: ClientRound, msg: Message, context: Context, open_channel: ChannelFactory
           ) -> Message:
     """One round of the message's protocol on this node."""
+    started = time.perf_counter()
     spec = rnd.spec
     torch.set_num_threads(spec.torch_threads)
     plan = plan_round(spec, server_round=rnd.server_round, partition_id=rnd.partition_id,
@@ -141,17 +146,18 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     step = rnd.step(msg.content["arrays"])
     memory = step.memory_bytes(spec.strategy.batch_size)
     plan.check_memory(memory, what=f"{rnd.protocol.name} at cut {rnd.cut}, batch "
-                      f"{spec.strategy.batch_size}")
+                      f"{spec.strategy.batch_size}"
+                      + (" with checkpointing" if rnd.checkpoint else ""))
     privacy = make_client_privacy(spec.privacy, rnd.loader())
     accountant = _load_accountant(context)
     try:
         # The whole round is charged before anything leaves the device.
         accountant.spend(privacy.round_steps(epochs=spec.strategy.local_epochs),
                          delta=spec.privacy.delta, epsilon_max=spec.privacy.epsilon_max)
+        pacer = _pacer(rnd, plan)
+        if pacer is not None:  # the device first waits for its weights
+            pacer.transfer(bytes_down=record_bytes(msg.content["arrays"]))
         channel = open_channel(rnd.trunk_address, rnd.token, spec) if step.needs_channel else None
-        pacer = None
-        if spec.devices.emulate and plan.profile is not None:
-            pacer = Pacer(plan.profile, host_flops_per_s=spec.devices.host_flops_per_s or 0.0)
         try:
             report = train_round(step, channel, privacy, epochs=spec.strategy.local_epochs,
                                  on_step=_dropout_hook(plan, channel), pacer=pacer)
@@ -161,29 +167,77 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     finally:
         privacy.close()
         context.state[ACCOUNTANT_STATE_KEY] = ConfigRecord(accountant.to_lists())
-    metrics = _train_metrics(rnd, plan, report, memory)
+    arrays = state_to_record(step.state())
+    weights = Traffic(down=record_bytes(msg.content["arrays"]), up=record_bytes(arrays))
+    if pacer is not None:  # ... and last sends them back
+        pacer.transfer(bytes_up=weights.up)
+    metrics = _train_metrics(rnd, plan, report, memory, weights)
+    metrics["wall-s"] = time.perf_counter() - started  # vs virtual-s: the clock's error
+    for key, value in _fleet_metrics(plan, step, label_coverage(rnd)).items():
+        metrics[key] = value
     if spec.privacy.accounted:
         metrics["epsilon"] = accountant.epsilon(spec.privacy.delta)
-    content = RecordDict({"arrays": state_to_record(step.state()), "metrics": metrics})
+    content = RecordDict({"arrays": arrays, "metrics": metrics})
     for key, arrays in step.reply_arrays().items():
         content[key] = state_to_record(arrays)
     return Message(content=content, reply_to=msg)
 
 
-def _train_metrics(rnd: ClientRound, plan: DevicePlan, report: TrainReport, memory: int
-                   ) -> MetricRecord:
-    vtime = virtual_time(report.measurement, profile=plan.profile,
-                         host_flops_per_s=rnd.spec.devices.host_flops_per_s or 0.0)
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes of the client-side weights in the round's Flower message and its reply."""
+
+    down: int
+    up: int
+
+
+def _pacer(rnd: ClientRound, plan: DevicePlan) -> Pacer | None:
+    """Return the pacer that makes this round take the device's time (``devices.emulate``)."""
+    if not rnd.spec.devices.emulate or plan.profile is None:
+        return None
+    return Pacer(plan.profile, host_flops_per_s=rnd.spec.devices.host_flops_at(rnd.cut))
+
+
+def _train_metrics(rnd: ClientRound, plan: DevicePlan, report: TrainReport, memory: int,
+                   weights: Traffic) -> MetricRecord:
+    # The weights travel too (in the Flower messages): the clock charges them, so a
+    # deeper cut pays for its larger client side and a moved cut for the stages it gets.
+    work = report.measurement
+    work = replace(work, bytes_up=work.bytes_up + weights.up,
+                   bytes_down=work.bytes_down + weights.down)
+    vtime = virtual_time(work, profile=plan.profile,
+                         host_flops_per_s=rnd.spec.devices.host_flops_at(rnd.cut))
     return MetricRecord({
-        "partition-id": rnd.partition_id, "cut": rnd.cut,
+        "partition-id": rnd.partition_id, "cut": rnd.cut, "checkpoint": int(rnd.checkpoint),
         "virtual-s": vtime.total_s, "virtual-compute-s": vtime.compute_s,
         "virtual-upload-s": vtime.upload_s, "virtual-download-s": vtime.download_s,
         "virtual-latency-s": vtime.latency_s, "memory-bytes": memory,
         "num-examples": report.examples, "steps": report.steps,
         "train-loss": report.loss, "train-accuracy": report.accuracy,
         "compute-s": report.compute_s, "train-s": report.wall_s,
-        "bytes-up": report.bytes_up, "bytes-down": report.bytes_down,
+        "bytes-up": work.bytes_up, "bytes-down": work.bytes_down,
+        "weights-bytes-up": weights.up, "weights-bytes-down": weights.down,
     })
+
+
+def _fleet_metrics(plan: DevicePlan, step: ClientStep, coverage: float) -> dict[str, float]:
+    """Return what the planner learns of the device: budget, measured memory, data utility."""
+    return {
+        "memory-budget": float(plan.profile.memory_bytes) if plan.profile else 0.0,
+        "peak-memory-bytes": float(getattr(step, "peak_memory_bytes", 0)),
+        "label-coverage": coverage,
+    }
+
+
+def label_coverage(rnd: ClientRound) -> float:
+    """Share of the classes present in this node's partition (SmartSplit's data utility)."""
+    data = client_dataset(
+        rnd.spec.dataset, rnd.spec.partitioner, seed=rnd.spec.seed,
+        partition_id=rnd.partition_id, num_partitions=rnd.num_partitions,
+    )
+    labels = data.tensors[1]
+    classes = int(labels.max()) + 1 if len(labels) else 1
+    return float(len(torch.unique(labels))) / max(classes, 1)
 
 
 def evaluate(rnd: ClientRound, msg: Message, context: Context, open_channel: ChannelFactory
@@ -214,6 +268,8 @@ def status_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
         metrics = MetricRecord({"partition-id": _partition(context)["partition_id"]})
         if isinstance(declined, PrivacyBudgetExhausted):
             metrics["epsilon"] = declined.epsilon_spent
+        if isinstance(declined, MemoryBudgetExceeded):
+            metrics["memory-budget"] = declined.budget_bytes
         content = RecordDict({
             STATUS_KEY: ConfigRecord({"status": declined.kind, "reason": str(declined)}),
             "metrics": metrics,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from splitlearn.config import RunSpec
 from splitlearn.planning.clock import ClientMeasurement, ClientTime, client_time
-from splitlearn.planning.devices import DeviceProfile, build_fleet
+from splitlearn.planning.devices import DeviceProfile, apply_traces, build_fleet
 
 
 class DeviceFailure(RuntimeError):
@@ -41,6 +41,11 @@ class MemoryBudgetExceeded(DeviceFailure):
 
     kind = "memory"
 
+    def __init__(self, message: str, *, budget_bytes: int) -> None:
+        super().__init__(message)
+        #: What the device has: the planner follows budgets that change.
+        self.budget_bytes = budget_bytes
+
 
 @dataclass(frozen=True)
 class DevicePlan:
@@ -65,7 +70,8 @@ class DevicePlan:
         if self.profile is not None and needed_bytes > self.profile.memory_bytes:
             raise MemoryBudgetExceeded(
                 f"{what} needs {needed_bytes / 2**20:.1f} MiB; {self.profile.name} has "
-                f"{self.profile.memory_bytes / 2**20:.1f} MiB"
+                f"{self.profile.memory_bytes / 2**20:.1f} MiB",
+                budget_bytes=self.profile.memory_bytes,
             )
 
 
@@ -87,6 +93,9 @@ def plan_round(
 ) -> DevicePlan:
     """Draw this round's availability and dropout (seeded by seed, round, partition)."""
     profile = device_profile(spec, partition_id=partition_id, num_partitions=num_partitions)
+    if profile is not None:  # the device as it is this round (throttled, on another link, ...)
+        profile = apply_traces(profile, spec.devices.traces, partition_id=partition_id,
+                               server_round=server_round)
     rng = random.Random(f"{spec.seed}/{server_round}/{partition_id}")
     availability = profile.availability if profile else 1.0
     dropout = 1 - (1 - (profile.dropout if profile else 0.0)) * (1 - spec.failures.dropout_rate)
@@ -115,6 +124,11 @@ class Pacer:
     def __init__(self, profile: DeviceProfile, *, host_flops_per_s: float) -> None:
         self.profile = profile
         self.host_flops_per_s = host_flops_per_s
+
+    def transfer(self, *, bytes_up: int = 0, bytes_down: int = 0) -> None:
+        """Sleep as long as the device's links take for bytes outside the batches (weights)."""
+        time.sleep(bytes_up / self.profile.uplink_bytes_per_s
+                   + bytes_down / self.profile.downlink_bytes_per_s)
 
     def after_batch(self, work: ClientMeasurement, *, wall_s: float) -> None:
         """Sleep off the difference between the device's time and ``wall_s``."""

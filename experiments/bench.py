@@ -15,6 +15,20 @@
     throughput is steady state (rounds 2+) and start-up is reported apart. The
     last line printed is the ratio.
 
+``clock``
+    Per-client wall time of emulated devices (``devices.emulate=true``) against
+    the virtual clock's prediction, on ``+scenario=heterogeneous``.
+
+``memory``
+    Measured peak training memory of the client side at every cut (checkpointed)
+    against the whole model on the device: ResNet-18 at 32x32, batch 32.
+
+``planner``
+    Virtual time to a target accuracy for every uniform cut and for the greedy,
+    DynSL and SmartSplit planners on ``+scenario=heterogeneous`` and
+    ``+scenario=dynamic`` (``--seeds``, ``--target``); see
+    :mod:`experiments.planner_bench`. The last line is JSON with the reductions.
+
 Extra arguments are Hydra overrides, e.g. ``strategy.num_rounds=5``.
 """
 
@@ -158,7 +172,87 @@ def bench_scale(overrides: Sequence[str]) -> float:
     return ratio
 
 
-BENCHMARKS = {"overhead": bench_overhead, "scale": bench_scale}
+CLOCK_DEFAULTS = (
+    "+scenario=heterogeneous",
+    "devices.emulate=true",
+    "strategy.num_rounds=2",
+    "logger=none",
+)
+
+
+def bench_clock(overrides: Sequence[str]) -> float:
+    """Emulated devices' wall time per round against the virtual clock; return the median error.
+
+    With ``devices.emulate=true`` every client really waits as long as its device
+    would (compute rescaled, bytes over its links, a round trip per exchange,
+    its weights down and up); the wall time of its whole round, Flower handler
+    included, is compared with the ``virtual-s`` the clock predicts.
+    """
+    import csv
+    import statistics
+
+    from experiments.local import run_local
+
+    cfg = compose_config([*CLOCK_DEFAULTS, *overrides])
+    torch.set_num_threads(cfg.engine.torch_threads)
+    with tempfile.TemporaryDirectory(prefix="bench-clock-") as run_dir:
+        cfg.run_dir = run_dir
+        run_local(cfg, concurrency=2)
+        with open(Path(run_dir) / "clients.csv") as f:
+            rows = [r for r in csv.DictReader(f) if r["status"] in ("ok", "straggler")]
+    errors: dict[str, list[float]] = {}
+    for row in rows:
+        virtual, wall = float(row["virtual_s"]), float(row["wall_s"])
+        errors.setdefault(row["profile"], []).append((wall - virtual) / virtual)
+    for profile, errs in sorted(errors.items()):
+        print(f"{profile:>16}: {len(errs)} client-rounds, wall vs clock error "
+              f"median {statistics.median(errs):+.1%}, worst {max(errs, key=abs):+.1%}")
+    everyone = [abs(e) for errs in errors.values() for e in errs]
+    median = statistics.median(everyone)
+    print(f"all: median |error| {median:.1%}, p90 "
+          f"{statistics.quantiles(everyone, n=10)[-1]:.1%}, max {max(everyone):.1%}")
+    print(json.dumps({"median_abs_error": median, "max_abs_error": max(everyone),
+                      "client_rounds": len(everyone)}))
+    return median
+
+
+def bench_memory(overrides: Sequence[str]) -> float:
+    """Measured client memory at each cut vs training the whole model; return the best ratio.
+
+    ResNet-18 at 32x32 (CIFAR-shaped, 10 classes), batch 32 by default; the
+    client side checkpointed (its last stage plain), measured by
+    :class:`clients.memory.MemoryMeter` on one SGD step with momentum.
+    """
+    from clients.memory import memory_saving_ratio
+    from splitlearn.config import to_object
+    from splitlearn.models.factory import build_model_from_config
+
+    cfg = compose_config(["model=resnet18", "dataset=cifar10", *overrides])
+    model = build_model_from_config(to_object(cfg.model), to_object(cfg.dataset), seed=0)
+    batch = cfg.strategy.batch_size
+    print(f"model={cfg.model.name} input={model.input_shape} batch={batch}")
+    ratios = {}
+    for cut in model.valid_cuts:
+        row = memory_saving_ratio(model, cut, batch_size=batch)
+        ratios[cut] = row["ratio"]
+        print(f"cut {cut}: whole model {row['whole_bytes'] / 2**20:7.1f} MiB, client "
+              f"checkpointed {row['client_bytes'] / 2**20:6.1f} MiB ({row['ratio']:5.1f}x), "
+              f"plain {row['client_plain_bytes'] / 2**20:6.1f} MiB ({row['plain_ratio']:5.1f}x)",
+              flush=True)
+    best = max(ratios, key=ratios.get)  # type: ignore[arg-type]
+    print(json.dumps({"best_cut": best, "best_ratio": ratios[best], "ratios": ratios}))
+    return ratios[best]
+
+
+def bench_planner_suite(overrides: Sequence[str], *, seeds: int, target: float) -> None:
+    """Uniform cuts vs planners on the virtual clock (:mod:`experiments.planner_bench`)."""
+    from experiments.planner_bench import bench_planner
+
+    bench_planner(overrides, seeds=seeds, target=target)
+
+
+BENCHMARKS = {"overhead": bench_overhead, "scale": bench_scale, "clock": bench_clock,
+              "memory": bench_memory, "planner": bench_planner_suite}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -166,8 +260,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides")
+    parser.add_argument("--seeds", type=int, default=3, help="planner: seeds per method")
+    parser.add_argument("--target", type=float, default=0.9, help="planner: test accuracy")
     args = parser.parse_args(argv)
-    BENCHMARKS[args.name](args.overrides)
+    if args.name == "planner":
+        bench_planner_suite(args.overrides, seeds=args.seeds, target=args.target)
+    else:
+        BENCHMARKS[args.name](args.overrides)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,15 @@ from tqdm.auto import tqdm
 from protocols import Protocol, check_config, compose_config, protocol_named
 from server.trunk import Trunk
 from splitlearn.aux_head import without_aux
-from splitlearn.calibration import measure_host_flops_per_s
-from splitlearn.config import DataPlaneConfig, RunSpec, run_spec, to_container, to_object
+from splitlearn.calibration import cut_costs, measure_host_flops_per_s
+from splitlearn.config import (
+    DataPlaneConfig,
+    PlannerConfig,
+    RunSpec,
+    run_spec,
+    to_container,
+    to_object,
+)
 from splitlearn.data import held_out_dataset
 from splitlearn.dataplane import TokenRegistry, TrunkEndpoint, TrunkService
 from splitlearn.evaluation import evaluate_model
@@ -46,6 +53,7 @@ from splitlearn.privacy import with_release_at_cut
 from splitlearn.split import load_bottom_state
 from splitlearn.tracking import CompositeSink, make_sinks
 from splitlearn.wire import record_to_state, state_to_record
+from strategies.adaptive import CutPlanning, build_planner, prior_state
 from strategies.privacy import PrivacyBudgetGuard
 from strategies.reporting import RoundOutcome
 from strategies.splitfed import DataPlaneAccess
@@ -68,6 +76,7 @@ class SplitRuntime:
     service: TrunkService | None
     sinks: CompositeSink
     fleet: list[DeviceProfile] | None  # profile per partition id; None: no emulation
+    planning: CutPlanning | None  # per-client cuts; None: every client at model.cut
 
 
 def build_trunk(cfg: DictConfig) -> tuple[Trunk, Any, TokenRegistry, TrunkEndpoint]:
@@ -108,11 +117,40 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
         profiles={k: vars(v) for k, v in devices.profiles.items()},
     )
     spec = run_spec(cfg, host_flops_per_s=host_flops_for(cfg, trunk.model) if fleet else 0.0)
+    if fleet and cfg.planner.name != "uniform":
+        spec.devices.host_flops_by_cut = host_flops_by_cut(cfg, trunk.model)
     config = to_container(cfg)
     config["devices"]["host_flops_per_s"] = spec.devices.host_flops_per_s  # as measured
+    config["devices"]["host_flops_by_cut"] = dict(spec.devices.host_flops_by_cut)
     sinks.log_config(config)
+    planning = make_planning(cfg, trunk, host_flops_per_s=spec.devices.host_flops_per_s or 0.0)
     return SplitRuntime(
-        cfg, protocol, spec, run_dir, trunk, handler, tokens, endpoint, service, sinks, fleet
+        cfg, protocol, spec, run_dir, trunk, handler, tokens, endpoint, service, sinks, fleet,
+        planning,
+    )
+
+
+def make_planning(cfg: DictConfig, trunk: Trunk, *, host_flops_per_s: float
+                  ) -> CutPlanning | None:
+    """Build the planner's server side for an adaptive ``planner``, with the cut table."""
+    settings: PlannerConfig = to_object(cfg.planner)
+    if not settings.adaptive:
+        return None
+    allowed = set(settings.cuts or trunk.model.valid_cuts)
+    leak = {int(k): float(v) for k, v in settings.leak.items()}
+    costs = [c for c in cut_costs(trunk.model, batch_size=cfg.strategy.batch_size, leak=leak)
+             if c.cut in allowed]
+    planner = build_planner(settings, costs, shared_trunk=cfg.strategy.name != "splitfed_v1",
+                            seed=cfg.seed)
+    return CutPlanning(
+        planner=planner, costs=costs, trunk_busy_s=lambda: trunk.busy_s,
+        prior=prior_state(settings, batch_size=cfg.strategy.batch_size,
+                          epochs=cfg.strategy.local_epochs),
+        smoothing=settings.smoothing,
+        # Until the trunk is measured (after round 1): about this host's speed.
+        trunk_flops_per_s=host_flops_per_s or measure_host_flops_per_s(
+            trunk.model, cfg.model.cut, batch_size=cfg.strategy.batch_size,
+            threads=cfg.engine.torch_threads, min_seconds=0.1),
     )
 
 
@@ -126,6 +164,20 @@ def host_flops_for(cfg: DictConfig, model: SplittableModel) -> float:
     )
     log.info("virtual clock: this host trains at %.2f GFLOP/s", flops / 1e9)
     return flops
+
+
+def host_flops_by_cut(cfg: DictConfig, model: SplittableModel) -> dict[int, float]:
+    """Return the configured per-cut FLOP/s, or measure each cut (none if one figure is set)."""
+    if cfg.devices.host_flops_by_cut or cfg.devices.host_flops_per_s:
+        return {int(k): float(v) for k, v in cfg.devices.host_flops_by_cut.items()}
+    measured = {
+        cut: measure_host_flops_per_s(model, cut, batch_size=cfg.strategy.batch_size,
+                                      threads=cfg.engine.torch_threads)
+        for cut in cfg.planner.cuts or model.valid_cuts
+    }
+    log.info("virtual clock: this host trains at %s GFLOP/s by cut",
+             {c: round(f / 1e9, 2) for c, f in measured.items()})
+    return measured
 
 
 def stop_runtime(runtime: SplitRuntime) -> None:
@@ -158,6 +210,8 @@ def make_strategy(runtime: SplitRuntime, reporter: RoundReporter) -> Strategy:
             ),
             "trunk": runtime.trunk_side,
         }
+    if runtime.planning is not None:
+        kwargs["planning"] = runtime.planning
     strategy = protocol.strategy(**kwargs)
     # Privacy wraps the protocol, as Flower's DP wrappers do.
     return PrivacyBudgetGuard(strategy) if runtime.spec.privacy.accounted else strategy
@@ -165,7 +219,9 @@ def make_strategy(runtime: SplitRuntime, reporter: RoundReporter) -> Strategy:
 
 def initial_arrays(runtime: SplitRuntime) -> ArrayRecord:
     """Return what the clients hold at round 1 (the protocol's client step says which stages)."""
-    step = runtime.protocol.client(runtime.trunk.model, runtime.spec, cut=runtime.spec.model.cut)
+    planning = runtime.planning
+    cut = planning.max_cut if planning is not None else runtime.spec.model.cut
+    step = runtime.protocol.client(runtime.trunk.model, runtime.spec, cut=cut)
     return state_to_record(step.state())
 
 
@@ -174,6 +230,14 @@ def joined_model(runtime: SplitRuntime, arrays: ArrayRecord) -> SplittableModel:
     model = runtime.trunk.snapshot()
     load_bottom_state(model, without_aux(record_to_state(arrays)))
     return model
+
+
+def memory_usage(rows: list[dict[str, Any]]) -> float:
+    """Return the largest share of its budget a client's measured training peak took (0: none)."""
+    shares = [float(r["peak_memory_bytes"]) / float(r["memory_budget"]) for r in rows
+              if r["status"] == "ok" and float(r.get("memory_budget", 0) or 0) > 0
+              and "peak_memory_bytes" in r]
+    return max(shares, default=0.0)
 
 
 class RoundReporter:
@@ -222,6 +286,11 @@ class RoundReporter:
             metrics |= outcome.metrics
             metrics["examples"] = metrics.pop("num_examples", 0.0)
         metrics |= self._advance_clock(outcome, rows)
+        if usage := memory_usage(rows):
+            metrics["memory_over_budget"] = usage  # measured peak / budget, worst client
+        planning = self.runtime.planning
+        if planning is not None and (plan := planning.plans.get(server_round)) is not None:
+            metrics["planned_round_s"] = plan.makespan_s  # the planner's prediction, vs the clock
         if self.runtime.spec.privacy.accounted:
             reported = [float(r["epsilon"]) for r in rows if "epsilon" in r]
             self.epsilon = max([self.epsilon, *reported])  # the worst-off client, monotone

@@ -21,6 +21,7 @@ from torch.nn.utils import get_total_norm, parameters_to_vector
 
 from splitlearn.dataplane.codec import FrameError, Reason
 from splitlearn.models import SplittableModel
+from splitlearn.split import load_bottom_state
 
 
 class Trunk:
@@ -50,6 +51,9 @@ class Trunk:
         self._buffers = list(model.buffers())  # batch-norm statistics: a refused step restores them
         self.steps = 0
         self.samples = 0
+        #: Samples each stage was trained on since :meth:`take_stage_samples` (per-client
+        #: cuts: a stage's copy here is weighted by them when the round's copies merge).
+        self.stage_samples = [0] * model.num_stages
         #: Seconds spent holding the trunk (the virtual clock adds them per round).
         self.busy_s = 0.0
 
@@ -79,11 +83,12 @@ class Trunk:
                 self.busy_s += time.perf_counter() - started
 
     @contextmanager
-    def step(self, *, samples: int) -> Iterator[Callable[..., None]]:
+    def step(self, *, samples: int, from_stage: int) -> Iterator[Callable[..., None]]:
         """Hold the trunk for one update; the body runs its forward and calls the yielded backward.
 
-        ``with trunk.step(samples=n) as backward: ...; backward(loss)`` (or
-        ``backward(output, gradient)``). The update is applied only if the body
+        ``with trunk.step(samples=n, from_stage=cut) as backward: ...; backward(loss)``
+        (or ``backward(output, gradient)``); stages from ``from_stage`` up are booked
+        as trained on ``samples``. The update is applied only if the body
         returns and every gradient is finite; otherwise nothing changes (weights,
         optimiser state, and buffers the forward moved such as batch-norm statistics).
 
@@ -104,6 +109,8 @@ class Trunk:
             self.optimizer.step()
             self.steps += 1
             self.samples += samples
+            for index in range(from_stage, len(self.stage_samples)):
+                self.stage_samples[index] += samples
 
     def _backward(self, output: Tensor, gradient: Tensor | None = None) -> None:
         # Zeroed right before the backward: the gradients then reuse the memory the
@@ -137,6 +144,22 @@ class Trunk:
             for buffer, value in zip(self._buffers, values, strict=True):
                 buffer.copy_(value.view_as(buffer))
 
+    def take_stage_samples(self) -> list[int]:
+        """Return the samples per stage since the last call, and start counting again."""
+        with self._lock:
+            taken, self.stage_samples = self.stage_samples, [0] * len(self.stage_samples)
+            return taken
+
+    def stage_state(self) -> dict[str, Tensor]:
+        """Return a copy of every stage's state, keyed ``"<stage index>.…"`` as clients do."""
+        with self._lock:
+            return {k: v.detach().clone() for k, v in self.model.stages.state_dict().items()}
+
+    def load_stages(self, state: Mapping[str, Tensor]) -> None:
+        """Replace the stages ``state`` names (keys ``"<stage index>.…"``, whole stages only)."""
+        with self._lock:
+            load_bottom_state(self.model, state)
+
     def fork(self) -> Trunk:
         """Return an independent trunk on a copy of the model, with a fresh optimiser."""
         with self._lock:
@@ -147,10 +170,9 @@ class Trunk:
         with self._lock:
             return copy.deepcopy(self.model)
 
-    def load(self, state: Mapping[str, Tensor], *, steps: int, samples: int, busy_s: float) -> None:
-        """Replace the weights (a merge of trunk copies) and add the copies' books."""
+    def add_books(self, *, steps: int, samples: int, busy_s: float) -> None:
+        """Add the books of trunk copies merged into this one (SplitFed v1)."""
         with self._lock:
-            self.model.load_state_dict(state)
             self.steps += steps
             self.samples += samples
             self.busy_s += busy_s

@@ -1,23 +1,34 @@
-"""Measure this host's training speed, so the virtual clock can rescale it.
+"""What client training costs: this host's measured speed, estimated memory, the cut table.
 
 The clock turns measured client compute seconds into device seconds with the
 ratio ``host_flops_per_s / device.flops_per_s``. The host figure is measured on
 the workload clients actually run (the client-side stages at the configured
 cut and batch size), with the same thread count, not taken from a datasheet.
+
+:func:`client_train_memory_bytes` estimates a client's training memory, with or
+without activation checkpointing, from the stages' reported costs;
+:func:`cut_costs` turns those costs into the planner's per-cut table
+(:class:`splitlearn.planning.cost.CutCost`).
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from splitlearn.models import SplittableModel
+from splitlearn.models import SplittableModel, StageCost
+from splitlearn.models.base import FLOAT32_BYTES, segment_memory_bytes_per_sample
+from splitlearn.planning.cost import CutCost
 from splitlearn.split import split
 
 #: Backward costs about twice the forward (gradients w.r.t. inputs and weights).
 TRAIN_TO_FORWARD_FLOPS = 3
+#: Float32 copies of each trained parameter: the weights, their gradients, SGD momentum.
+PARAM_STATE_COPIES = 3
 
 
 def client_train_flops_per_sample(model: SplittableModel, cut: int) -> int:
@@ -26,15 +37,191 @@ def client_train_flops_per_sample(model: SplittableModel, cut: int) -> int:
     return TRAIN_TO_FORWARD_FLOPS * forward
 
 
-def client_train_memory_bytes(model: SplittableModel, cut: int, *, batch_size: int) -> int:
-    """Estimated training memory of the client side for one batch, in bytes.
+def client_train_memory_bytes(
+    model: SplittableModel, cut: int, *, batch_size: int, checkpoint: bool = False
+) -> int:
+    """Estimated training memory of stages ``[0, cut)`` for one batch, in bytes.
 
-    Saved activations for the batch plus parameters, their gradients and one
-    SGD momentum buffer (float32).
+    Both variants add the parameters, their gradients and one SGD momentum
+    buffer, all float32 (``3 * 4 * params``), to the activations held:
+
+    * plain: what autograd saves for backward plus the output at the cut,
+      :func:`~splitlearn.models.base.segment_memory_bytes_per_sample` (a
+      boundary tensor both neighbours save is counted once);
+    * ``checkpoint``: every stage but the last runs under a checkpoint, so the
+      forward keeps only their boundaries: the input of each (the batch itself
+      for stage 0), plus the last stage's saved tensors and the output at the
+      cut. Backward runs the last stage first, then rebuilds one stage at a
+      time; while it rebuilds stage ``i`` the device holds the inputs of stages
+      ``0 .. i``, the output at the cut (the step keeps it until the batch
+      ends) and stage ``i``'s own saved tensors (its input excluded, being a
+      boundary already); the inputs of later stages were freed when their
+      backward finished. The estimate is the largest of these moments.
+
+    Per-sample figures come from :meth:`SplittableModel.stage_costs` and scale
+    with the batch. That profile runs in eval mode, so two things training
+    saves besides are handled here: BatchNorm's per-channel batch mean and
+    inverse std (added, ``8 * channels`` bytes per layer whatever the batch)
+    and dropout masks (not added: one byte per element of a dropout's input,
+    about 0.1% of VGG-11's classifier side). Tensors no layer saves
+    (temporaries, the gradients flowing backward) are not counted;
+    :class:`clients.memory.MemoryMeter` measures the same quantity.
+
+    Parameters
+    ----------
+    model : SplittableModel
+        The network.
+    cut : int
+        Stages ``[0, cut)`` are trained; ``model.num_stages`` means the whole model.
+    batch_size : int
+        Samples per batch.
+    checkpoint : bool, optional
+        Per-stage activation checkpointing.
+
+    Returns
+    -------
+    int
+        Bytes.
+
+    Raises
+    ------
+    ValueError
+        If ``cut`` is not in ``1 .. model.num_stages``.
     """
-    costs = model.stage_costs()[:cut]
-    activations = sum(c.train_memory_bytes_per_sample for c in costs) * batch_size
-    return activations + 3 * 4 * sum(c.params for c in costs)
+    costs = _client_costs(model, cut)
+    return _train_memory_bytes(model, costs, batch_size=batch_size, checkpoint=checkpoint)
+
+
+def cross_entropy_memory_bytes(num_classes: int, *, batch_size: int) -> int:
+    """Bytes cross-entropy saves for backward when the device holds the loss.
+
+    Its log-probabilities (float32), the labels (int64) and a float32 scalar
+    (the total weight). Add it when the loss is computed on the device (e.g.
+    whole-model training); :func:`client_train_memory_bytes` covers stages only.
+    """
+    return batch_size * (FLOAT32_BYTES * num_classes + 8) + FLOAT32_BYTES
+
+
+def cut_costs(
+    model: SplittableModel, *, batch_size: int, leak: Mapping[int, float] | None = None
+) -> list[CutCost]:
+    """Build the planner's cost table: one :class:`CutCost` per valid cut.
+
+    Parameters
+    ----------
+    model : SplittableModel
+        The network; profiled once with :meth:`SplittableModel.stage_costs`.
+    batch_size : int
+        Batch size, for the memory columns.
+    leak : Mapping[int, float] | None, optional
+        Measured attack scores by cut; cuts not in it get None.
+
+    Returns
+    -------
+    list[CutCost]
+        In cut order. Client FLOPs are 3 forwards of ``[0, c)``, recomputation
+        one more forward of ``[0, c - 1)`` (the last stage is not checkpointed),
+        the trunk's 3 forwards of ``[c, n)``; smashed
+        bytes are stage ``c - 1``'s output (float32); parameter bytes are
+        float32 weights of ``[0, c)``.
+    """
+    costs = model.stage_costs()
+    leak = leak or {}
+    return [
+        _cut_cost(model, costs, cut, batch_size=batch_size, leak=leak.get(cut))
+        for cut in model.valid_cuts
+    ]
+
+
+def _cut_cost(
+    model: SplittableModel, costs: list[StageCost], cut: int, *, batch_size: int,
+    leak: float | None,
+) -> CutCost:
+    client, server = costs[:cut], costs[cut:]
+    forward = sum(c.flops_per_sample for c in client)
+    rebuilt = sum(c.flops_per_sample for c in client[:-1])  # the last stage runs plain
+    params = sum(c.params for c in client)
+    return CutCost(
+        cut=cut,
+        client_flops_per_sample=float(TRAIN_TO_FORWARD_FLOPS * forward),
+        recompute_flops_per_sample=float(rebuilt),
+        server_flops_per_sample=float(
+            TRAIN_TO_FORWARD_FLOPS * sum(c.flops_per_sample for c in server)
+        ),
+        smashed_bytes_per_sample=client[-1].activation_bytes_per_sample,
+        client_param_bytes=FLOAT32_BYTES * params,
+        memory_bytes=_train_memory_bytes(model, client, batch_size=batch_size),
+        checkpointed_memory_bytes=_train_memory_bytes(
+            model, client, batch_size=batch_size, checkpoint=True
+        ),
+        leak=leak,
+    )
+
+
+def _train_memory_bytes(
+    model: SplittableModel, costs: list[StageCost], *, batch_size: int, checkpoint: bool = False
+) -> int:
+    """Estimate as :func:`client_train_memory_bytes` does, for the stages of ``costs``."""
+    if checkpoint:
+        per_sample = _checkpointed_bytes_per_sample(model, costs)
+    else:
+        per_sample = segment_memory_bytes_per_sample(costs)
+    params = sum(c.params for c in costs)
+    return (
+        per_sample * batch_size
+        + _batch_norm_statistics_bytes(model.stages[: len(costs)])
+        + PARAM_STATE_COPIES * FLOAT32_BYTES * params
+    )
+
+
+def _batch_norm_statistics_bytes(stages: nn.Module) -> int:
+    """Bytes of the batch mean and inverse std that BatchNorm saves in training.
+
+    The profile behind ``stage_costs`` runs in eval mode, where BatchNorm saves
+    its running statistics (buffers) instead; these are per channel, whatever
+    the batch size.
+    """
+    return sum(
+        2 * FLOAT32_BYTES * m.num_features
+        for m in stages.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    )
+
+
+def _client_costs(model: SplittableModel, cut: int) -> list[StageCost]:
+    """Stage costs of ``[0, cut)``, where ``cut`` may also be the whole model."""
+    whole = isinstance(cut, int) and not isinstance(cut, bool) and cut == model.num_stages
+    if not whole:
+        cut = _checked_cut(model, cut)
+    return model.stage_costs()[:cut]
+
+
+def _checked_cut(model: SplittableModel, cut: int) -> int:
+    try:
+        return model.check_cut(cut)
+    except ValueError:
+        raise ValueError(
+            f"cut must be an int in 1..{model.num_stages} (num_stages trains the "
+            f"whole model), got {cut!r}"
+        ) from None
+
+
+def _checkpointed_bytes_per_sample(model: SplittableModel, costs: list[StageCost]) -> int:
+    """Peak of the end of the forward and of backward's rebuilds (see the caller)."""
+    # inputs[i]: bytes of stage i's input, the batch itself for stage 0.
+    inputs = [FLOAT32_BYTES * math.prod(model.input_shape)]
+    inputs += [c.activation_bytes_per_sample for c in costs[:-1]]
+    last = costs[-1]
+    held_output = last.activation_bytes_per_sample
+    # The last stage runs plain: at the end of the forward the checkpointed stages'
+    # inputs, the last stage's saved tensors and the output at the cut are held.
+    forward_end = sum(inputs[:-1]) + segment_memory_bytes_per_sample([last])
+    rebuilds = (
+        sum(inputs[: i + 1]) + held_output
+        + cost.train_memory_bytes_per_sample - cost.input_saved_bytes_per_sample
+        for i, cost in enumerate(costs[:-1])
+    )
+    return max([forward_end, *rebuilds])
 
 
 def measure_host_flops_per_s(

@@ -179,14 +179,84 @@ class DeviceProfileConfig:
 
 
 @dataclass
+class TraceEventConfig:
+    """From a round on, some devices change (splitlearn/planning/devices.py:apply_traces)."""
+
+    from_round: int = MISSING  # the first round the change holds
+    profiles: list[str] = field(default_factory=list)  # devices of these presets ...
+    partitions: list[int] = field(default_factory=list)  # ... and/or these clients
+    flops_scale: float = 1.0  # e.g. 0.4: a phone that throttles
+    memory_scale: float = 1.0  # e.g. 0.25: another app takes memory
+    uplink_mbps: float | None = None  # a new link (Wi-Fi -> cellular), None = unchanged
+    downlink_mbps: float | None = None
+    rtt_s: float | None = None
+
+
+@dataclass
 class DevicesConfig:
     """Which devices the clients emulate."""
 
     name: str = "none"  # none: every client runs at this host's speed, links are free
     mix: dict[str, float] = field(default_factory=dict)  # profile -> share of clients
     profiles: dict[str, DeviceProfileConfig] = field(default_factory=dict)
+    traces: list[TraceEventConfig] = field(default_factory=list)  # changes over rounds
     emulate: bool = False  # really wait as long as the device would (wall-clock runs)
     host_flops_per_s: float | None = None  # this host's training FLOP/s; None = measure
+    # The same per cut (the host is faster on some stages than others); a planner's run
+    # measures every cut unless host_flops_per_s is set. Empty: host_flops_per_s for all.
+    host_flops_by_cut: dict[int, float] = field(default_factory=dict)
+
+    def host_flops_at(self, cut: int) -> float:
+        """Return the host's training FLOP/s on the client side at ``cut`` (0: unknown)."""
+        return self.host_flops_by_cut.get(cut) or self.host_flops_per_s or 0.0
+
+
+#: ``planner.name`` values (splitlearn.planning.planners implements each but ``uniform``).
+PLANNER_NAMES = ("uniform", "greedy", "dynsl", "smartsplit", "oracle", "rotate")
+
+
+@dataclass
+class PlannerConfig:
+    """Where each client is cut, round by round (README "Adaptive splits")."""
+
+    name: str = "uniform"  # uniform: every client at model.cut, as configured
+    cuts: list[int] | None = None  # cuts a planner may give; None = every valid cut
+    every: int = 5  # dynsl: re-plan every R rounds
+    hysteresis: float = 0.05  # dynsl: a move must gain (1 + h) x its cost, and h x the round
+    select_fraction: float = 1.0  # smartsplit: share of the clients that train per round
+    pool_factor: float = 1.5  # smartsplit: candidates by utility, as a multiple of those chosen
+    selection: str = "utility"  # smartsplit: utility | random (the baseline among feasible ones)
+    checkpointing: bool = True  # planners may ask a device to checkpoint its activations
+    smoothing: float = 0.5  # weight of the newest measurement in the running estimates
+    max_leak: float | None = None  # privacy floor: never a cut whose leak score exceeds this
+    # A device not measured yet is planned as a median phone: a mid-range phone's sustained
+    # FLOP/s (conf/devices/profiles/presets.yaml) on the Ookla global mobile median link.
+    prior_flops_per_s: float = 1.5e10
+    prior_uplink_mbps: float = 10.0
+    prior_downlink_mbps: float = 50.0
+    prior_rtt_s: float = 0.04
+    leak: dict[int, float] = field(default_factory=dict)  # measured attack score per cut
+
+    def __post_init__(self) -> None:
+        if self.name not in PLANNER_NAMES:
+            raise ValueError(f"planner.name={self.name!r}; accepted: {list(PLANNER_NAMES)}")
+        if self.every < 1:
+            raise ValueError(f"planner.every must be >= 1, got {self.every}")
+        if not 0 < self.select_fraction <= 1:
+            raise ValueError(
+                f"planner.select_fraction must be in (0, 1], got {self.select_fraction}"
+            )
+        if self.selection not in ("utility", "random"):
+            raise ValueError(f"planner.selection={self.selection!r}; accepted: utility, random")
+        if self.pool_factor < 1:
+            raise ValueError(f"planner.pool_factor must be >= 1, got {self.pool_factor}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"planner.smoothing must be in (0, 1], got {self.smoothing}")
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether cuts are planned per client (anything but ``uniform``)."""
+        return self.name != "uniform"
 
 
 @dataclass
@@ -207,6 +277,7 @@ class Config:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     failures: FailuresConfig = field(default_factory=FailuresConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
 
 @dataclass

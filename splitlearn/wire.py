@@ -23,3 +23,15 @@ def state_to_record(state: Mapping[str, torch.Tensor]) -> Any:
 def record_to_state(record: Any) -> dict[str, torch.Tensor]:
     """Unwrap a Flower ``ArrayRecord`` into a state dict of tensors."""
     return {k: torch.from_numpy(np.array(v.numpy())) for k, v in record.items()}
+
+
+def record_bytes(record: Any) -> int:
+    """Bytes of an ``ArrayRecord``'s arrays."""
+    return sum(len(array.data) for array in record.values())
+
+
+def stages_below(record: Any, cut: int) -> Any:
+    """Return the part of an ``ArrayRecord`` keyed ``"<stage index>.…"`` below ``cut``."""
+    from flwr.app import ArrayRecord
+
+    return ArrayRecord({k: v for k, v in record.items() if int(k.partition(".")[0]) < cut})

@@ -27,6 +27,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from splitlearn.config import RunSpec, StrategyConfig, encode_spec
 
@@ -39,11 +40,12 @@ SPEC_KEY = "run-spec"
 #: Statuses a reply can have, in report order.
 STATUSES = ("ok", "straggler", "unavailable", "dropout", "memory", "refused", "budget", "failed")
 #: Metrics summed over clients (the rest are averaged, weighted by examples).
-SUMMED_METRICS = ("num-examples", "steps", "bytes-up", "bytes-down", "compute-s")
+SUMMED_METRICS = ("num-examples", "steps", "bytes-up", "bytes-down", "weights-bytes-up",
+                  "weights-bytes-down", "compute-s")
 #: Metrics whose round value is the worst client's (the slowest device sets the pace).
-MAX_METRICS = ("virtual-s", "epsilon")
+MAX_METRICS = ("virtual-s", "epsilon", "peak-memory-bytes")
 #: Per-client labels, meaningless when averaged.
-CLIENT_ONLY_METRICS = ("partition-id", "cut")
+CLIENT_ONLY_METRICS = ("partition-id", "cut", "checkpoint", "memory-budget")
 
 
 @dataclass
@@ -192,7 +194,7 @@ class ReportingFedAvg(FedAvg):
         node = message.metadata.dst_node_id
         config = ConfigRecord({**message.content[self.configrecord_key], SPEC_KEY: self._spec_text})
         content = RecordDict({
-            self.arrayrecord_key: message.content[self.arrayrecord_key],
+            self.arrayrecord_key: self.client_arrays(node, message.content[self.arrayrecord_key]),
             self.configrecord_key: config,
             ROUND_KEY: ConfigRecord(self.round_record(node, server_round)),
         })
@@ -201,10 +203,24 @@ class ReportingFedAvg(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Sample as FedAvg does; type each message and give it the round's data."""
-        messages = super().configure_train(server_round, arrays, config, grid)
+        """Sample as FedAvg does, let :meth:`choose` keep some; type and fill each message."""
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        kept = set(self.choose(server_round, [m.metadata.dst_node_id for m in messages]))
         self._round_started = time.perf_counter()
-        return [self._typed(m, server_round, "train") for m in messages]
+        return [self._typed(m, server_round, "train") for m in messages
+                if m.metadata.dst_node_id in kept]
+
+    def choose(self, server_round: int, nodes: list[int]) -> list[int]:
+        """Return which of the sampled nodes train this round (a hook: a planner selects)."""
+        return nodes
+
+    def client_arrays(self, node: int, arrays: ArrayRecord) -> ArrayRecord:
+        """Return the part of the global arrays ``node`` gets (a hook: per-client cuts)."""
+        return arrays
+
+    def aggregate_arrays(self, server_round: int, finished: list[Message]) -> ArrayRecord:
+        """Average the finished clients' arrays by examples, as FedAvg does (a hook)."""
+        return aggregate_arrayrecords([r.content for r in finished], self.weighted_by_key)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -225,7 +241,11 @@ class ReportingFedAvg(FedAvg):
         statuses = [reply_status(r, deadline_s=self.round_deadline_s) for r in replies]
         finished = [r for r, s in zip(replies, statuses, strict=True) if s == "ok"]
         self.finish_round(server_round, finished)
-        arrays, metrics = super().aggregate_train(server_round, finished)
+        arrays, metrics = None, None
+        if finished:
+            arrays = self.aggregate_arrays(server_round, finished)
+            metrics = self.train_metrics_aggr_fn([r.content for r in finished],
+                                                 self.weighted_by_key)
         report = dict(metrics or {"num-examples": 0.0})
         for status in STATUSES[1:]:
             report[f"clients-{status}"] = statuses.count(status)

@@ -14,11 +14,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from flwr.app import Message, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
 
 from splitlearn.config import StrategyConfig
 from splitlearn.dataplane import TokenRegistry
-from strategies.reporting import ReportingFedAvg
+from splitlearn.planning.cost import Assignment
+from splitlearn.wire import record_to_state, stages_below, state_to_record
+from strategies.adaptive import CutPlanning
+from strategies.reporting import ReportingFedAvg, reply_metrics
 
 
 @dataclass(frozen=True)
@@ -73,18 +76,69 @@ class SplitFed(ReportingFedAvg):
         Grants the clients' sessions.
     trunk : TrunkSide
         The protocol's trunk side (its session handler).
+    planning : CutPlanning, optional
+        Plans each round's clients and their cuts (per-client cuts); without it
+        every client trains at ``model.cut``.
     **kwargs : Any
         Passed to :class:`ReportingFedAvg`.
     """
 
-    def __init__(self, *, dataplane: DataPlaneAccess, trunk: TrunkSide, **kwargs: Any) -> None:
+    def __init__(self, *, dataplane: DataPlaneAccess, trunk: TrunkSide,
+                 planning: CutPlanning | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.dataplane = dataplane
         self.trunk = trunk
+        self.planning = planning
+        #: The global arrays hold stages [0, global_cut): every cut a client may get.
+        self.global_cut = planning.max_cut if planning else self.spec.model.cut
+        self._assigned: dict[int, Assignment] = {}
+
+    def choose(self, server_round: int, nodes: list[int]) -> list[int]:
+        """Keep the planner's choice of clients and cuts (all at ``model.cut`` without one)."""
+        nodes = super().choose(server_round, nodes)
+        if self.planning is None:
+            return nodes
+        self._assigned = self.planning.assign(server_round, nodes)
+        return [n for n in nodes if n in self._assigned]
+
+    def assignment(self, node: int) -> Assignment:
+        """``node``'s cut and checkpointing this round."""
+        default = Assignment(str(node), self.spec.model.cut)
+        return self._assigned.get(node, default)
+
+    def client_arrays(self, node: int, arrays: ArrayRecord) -> ArrayRecord:
+        """Return the global stages below ``node``'s cut."""
+        cut = self.assignment(node).cut
+        return arrays if cut == self.global_cut else stages_below(arrays, cut)
+
+    def aggregate_arrays(self, server_round: int, finished: list[Message]) -> ArrayRecord:
+        """Merge every stage over the copies that trained it, client and trunk alike.
+
+        Protocols whose trunk side cannot merge per stage average the client
+        sides as FedAvg does (their clients all hold ``model.cut``).
+        """
+        merge = getattr(self.trunk, "merge_round", None)
+        if merge is None:
+            return super().aggregate_arrays(server_round, finished)
+        updates = [(record_to_state(r.content[self.arrayrecord_key]),
+                    int(reply_metrics(r)[self.weighted_by_key])) for r in finished]
+        return state_to_record(merge(updates, upto=self.global_cut))
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Let the planner learn from every reply (declines included), then aggregate."""
+        replies = list(replies)
+        if self.planning is not None:
+            self.planning.observe(server_round, replies, deadline_s=self.round_deadline_s)
+        return super().aggregate_train(server_round, replies)
 
     def round_record(self, node: int, server_round: int) -> dict[str, Any]:
         """Return the round's data plus a session: the trunk's address and a fresh token."""
-        record = super().round_record(node, server_round)
+        assigned = self.assignment(node)
+        record = super().round_record(node, server_round) | {
+            "cut": assigned.cut, "checkpoint": assigned.checkpoint,
+        }
         token = self.dataplane.tokens.issue(
             client=str(node), protocol=self.protocol, cut=record["cut"],
             server_round=server_round, ttl_s=self.dataplane.ttl_s,

@@ -5,16 +5,27 @@ tail, a bottom and an auxiliary head, the whole model) and does one batch with
 them: forward, exchange with the trunk over a channel when the protocol has one,
 backward, optimiser step. Everything else a round needs (data, declines, privacy,
 dropout, device emulation, byte and time accounting) is the loop's, written once.
+
+Two things every step gets from this base: with ``checkpoint=True`` the device's
+stages run under per-stage activation checkpointing (:mod:`clients.checkpointing`;
+subclasses run them through :meth:`ClientStep.run_stages`), and the first
+:attr:`ClientStep.measured_batches` training batches of a round are measured with
+:class:`clients.memory.MemoryMeter` into :attr:`ClientStep.peak_memory_bytes`.
+Subclasses implement :meth:`ClientStep._train_batch`; the loop calls
+:meth:`ClientStep.train_batch`, which adds the measurement.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import ClassVar
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
 
+from clients.checkpointing import run_stages
+from clients.memory import MemoryMeter
 from splitlearn.calibration import client_train_memory_bytes
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import TrunkChannel
@@ -33,6 +44,9 @@ class ClientStep:
         The run's settings (protocol options in ``spec.strategy``).
     cut : int
         This client's cut: stages ``[0, cut)`` are the device's.
+    checkpoint : bool, optional
+        Train the device's stages with per-stage activation checkpointing: less
+        memory (see :meth:`memory_bytes`) for one more forward of compute.
     """
 
     #: Data-plane round trips per training batch (the virtual clock charges an RTT each).
@@ -41,12 +55,22 @@ class ClientStep:
     sends_activations: ClassVar[bool] = True
     #: Whether the step talks to the trunk over a data-plane channel.
     needs_channel: ClassVar[bool] = True
+    #: Training batches per round whose memory is measured (the first ones): every
+    #: batch holds as much, and the meter's hooks cost time on each batch it watches.
+    measured_batches: ClassVar[int] = 3
 
-    def __init__(self, model: SplittableModel, spec: RunSpec, *, cut: int) -> None:
+    def __init__(
+        self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
+    ) -> None:
         self.model = model
         self.spec = spec
         self.cut = model.check_cut(cut)
+        self.checkpoint = checkpoint
         self.bottom, _ = split(model, self.cut)
+        #: Most bytes one measured training batch held (see :mod:`clients.memory`); 0 before.
+        self.peak_memory_bytes = 0
+        self._batches_measured = 0
+        self._meter: MemoryMeter | None = None
         #: What the device sends instead of raw activations (privacy sets it).
         self.release: Callable[[Tensor], Tensor] = _as_is
         #: Bytes this round moved outside the data plane (e.g. in the Flower reply).
@@ -66,15 +90,63 @@ class ClientStep:
         load_bottom_state(self.model, state)
 
     def memory_bytes(self, batch_size: int) -> int:
-        """Estimated training memory of the device's modules for one batch."""
-        return client_train_memory_bytes(self.model, self.cut, batch_size=batch_size)
+        """Estimated training memory of the device's modules for one batch (checkpointed if set)."""
+        return client_train_memory_bytes(
+            self.model, self.cut, batch_size=batch_size, checkpoint=self.checkpoint
+        )
 
     def train_batch(
         self, inputs: Tensor, labels: Tensor, channel: TrunkChannel | None,
         optimizer: torch.optim.Optimizer,
     ) -> tuple[float, int]:
-        """Train on one batch; return its mean loss and correctly classified rows."""
+        """Train on one batch; return its mean loss and correctly classified rows.
+
+        The round's first :attr:`measured_batches` batches are measured, raising
+        :attr:`peak_memory_bytes` to the most any of them held.
+        """
+        if self._batches_measured >= self.measured_batches:
+            return self._train_batch(inputs, labels, channel, optimizer)
+        self._batches_measured += 1
+        meter = self._meter = MemoryMeter(self.trained(), optimizer)
+        if channel is not None:
+            channel = cast(TrunkChannel, _UnmeteredCalls(channel, meter))
+        try:
+            with meter:
+                result = self._train_batch(inputs, labels, channel, optimizer)
+        finally:
+            self._meter = None
+        self.peak_memory_bytes = max(self.peak_memory_bytes, meter.peak_bytes)
+        return result
+
+    def _train_batch(
+        self, inputs: Tensor, labels: Tensor, channel: TrunkChannel | None,
+        optimizer: torch.optim.Optimizer,
+    ) -> tuple[float, int]:
+        """Do the protocol's work on one training batch (what subclasses implement)."""
         raise NotImplementedError
+
+    def run_stages(self, stages: Iterable[nn.Module], inputs: Tensor) -> Tensor:
+        """Run the device's ``stages`` for training: checkpointed when asked, output measured.
+
+        Parameters
+        ----------
+        stages : Iterable[nn.Module]
+            Consecutive stages the device trains (e.g. :attr:`bottom`).
+        inputs : Tensor
+            The first stage's input.
+
+        Returns
+        -------
+        Tensor
+            The last stage's output, which the step holds until it is sent (the
+            meter counts it while it lives).
+        """
+        meter = self._meter
+        observe = nullcontext if meter is None else meter.observing
+        out = run_stages(stages, inputs, checkpoint=self.checkpoint, recompute_context=observe)
+        if meter is not None:
+            meter.watch(out)
+        return out
 
     @torch.no_grad()
     def evaluate_batch(
@@ -93,6 +165,29 @@ class ClientStep:
     def reply_arrays(self) -> dict[str, dict[str, Tensor]]:
         """Further ArrayRecords for the reply, by key (bulk smashed data)."""
         return {}
+
+
+class _UnmeteredCalls:
+    """A channel whose methods run with the meter paused: the trunk's tensors are not the device's.
+
+    With an in-process transport (tests, ``experiments.local``) the trunk trains in
+    this thread, where the meter's saved-tensor hooks would see its activations.
+    """
+
+    def __init__(self, channel: TrunkChannel, meter: MemoryMeter) -> None:
+        self._channel = channel
+        self._meter = meter
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._channel, name)
+        if not callable(value):
+            return value
+
+        def unmetered(*args: Any, **kwargs: Any) -> Any:
+            with self._meter.paused():
+                return value(*args, **kwargs)
+
+        return unmetered
 
 
 def _as_is(activations: Tensor) -> Tensor:

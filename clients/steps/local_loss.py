@@ -32,8 +32,10 @@ class LocalLossStep(ClientStep):
 
     exchanges_per_batch = 0
 
-    def __init__(self, model: SplittableModel, spec: RunSpec, *, cut: int) -> None:
-        super().__init__(model, spec, cut=cut)
+    def __init__(
+        self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
+    ) -> None:
+        super().__init__(model, spec, cut=cut, checkpoint=checkpoint)
         options = spec.strategy
         self.bulk: bool = options.bulk  # type: ignore[attr-defined]
         self.needs_channel = not self.bulk  # type: ignore[misc]
@@ -61,14 +63,16 @@ class LocalLossStep(ClientStep):
     def memory_bytes(self, batch_size: int) -> int:
         """Estimate the bottom's memory plus the head's parameters, gradients and momentum."""
         head = 3 * 4 * sum(p.numel() for p in self.aux.parameters())
-        return client_train_memory_bytes(self.model, self.cut, batch_size=batch_size) + head
+        return head + client_train_memory_bytes(
+            self.model, self.cut, batch_size=batch_size, checkpoint=self.checkpoint
+        )
 
-    def train_batch(
+    def _train_batch(
         self, inputs: Tensor, labels: Tensor, channel: TrunkChannel | None,
         optimizer: torch.optim.Optimizer,
     ) -> tuple[float, int]:
         """Step on the local loss, then send the batch's released activations."""
-        activations = self.bottom(inputs)
+        activations = self.run_stages(self.bottom, inputs)
         logits = self.aux(activations)
         loss = nn.functional.cross_entropy(logits, labels)
         optimizer.zero_grad(set_to_none=True)

@@ -17,13 +17,13 @@ from splitlearn.dataplane import TrunkChannel
 class SplitStep(ClientStep):
     """The device trains stages ``[0, cut)`` against the trunk's gradient."""
 
-    def train_batch(
+    def _train_batch(
         self, inputs: Tensor, labels: Tensor, channel: TrunkChannel | None,
         optimizer: torch.optim.Optimizer,
     ) -> tuple[float, int]:
         """Forward, exchange, backward from the cut gradient, step."""
         assert channel is not None
-        activations = self.release(self.bottom(inputs))
+        activations = self.release(self.run_stages(self.bottom, inputs))
         grad, loss, correct = channel.forward(activations.detach(), labels)
         optimizer.zero_grad(set_to_none=True)
         activations.backward(grad)

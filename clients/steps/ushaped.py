@@ -24,8 +24,10 @@ class UShapedStep(ClientStep):
 
     exchanges_per_batch = 2
 
-    def __init__(self, model: SplittableModel, spec: RunSpec, *, cut: int) -> None:
-        super().__init__(model, spec, cut=cut)
+    def __init__(
+        self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
+    ) -> None:
+        super().__init__(model, spec, cut=cut, checkpoint=checkpoint)
         self.tail_cut = resolve_tail_cut(model, self.cut, spec.strategy.tail_cut)  # type: ignore[attr-defined]
         self.head, _, self.tail = split_u(model, self.cut, self.tail_cut)
         self._parts = nn.ModuleList([self.head, self.tail])
@@ -43,15 +45,17 @@ class UShapedStep(ClientStep):
         tail = self.model.stage_costs()[self.tail_cut:]
         tail_bytes = sum(c.train_memory_bytes_per_sample for c in tail) * batch_size
         tail_bytes += 3 * 4 * sum(c.params for c in tail)
-        return client_train_memory_bytes(self.model, self.cut, batch_size=batch_size) + tail_bytes
+        return tail_bytes + client_train_memory_bytes(
+            self.model, self.cut, batch_size=batch_size, checkpoint=self.checkpoint
+        )
 
-    def train_batch(
+    def _train_batch(
         self, inputs: Tensor, labels: Tensor, channel: TrunkChannel | None,
         optimizer: torch.optim.Optimizer,
     ) -> tuple[float, int]:
         """Head, features from the trunk, tail and loss, gradient back, step."""
         assert channel is not None
-        activations = self.release(self.head(inputs))
+        activations = self.release(self.run_stages(self.head, inputs))
         features = channel.forward_features(activations.detach()).requires_grad_(True)
         logits = self.tail(features)
         loss = nn.functional.cross_entropy(logits, labels)

@@ -1,26 +1,21 @@
 """The FedAvg baseline's step: the whole model trained on the device, no trunk.
 
 The device downloads every stage, trains locally and uploads every stage; its
-bytes are the weights themselves, which is what split learning is compared against.
+bytes are the weights themselves (counted by the ClientApp, as for every protocol),
+which is what split learning is compared against. With ``checkpoint=True`` every
+stage but the last is checkpointed.
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 
 from clients.steps.base import ClientStep, hits
-from splitlearn.calibration import client_train_memory_bytes
+from splitlearn.calibration import client_train_memory_bytes, cross_entropy_memory_bytes
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.models import SplittableModel
-
-
-def state_bytes(state: Mapping[str, Tensor]) -> int:
-    """Bytes of the tensors in a state dict (what a weight transfer costs)."""
-    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 class WholeModelStep(ClientStep):
@@ -30,9 +25,10 @@ class WholeModelStep(ClientStep):
     sends_activations = False
     needs_channel = False
 
-    def __init__(self, model: SplittableModel, spec: RunSpec, *, cut: int) -> None:
-        super().__init__(model, spec, cut=cut)
-        self.extra_bytes_down = self.extra_bytes_up = state_bytes(self.state())
+    def __init__(
+        self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
+    ) -> None:
+        super().__init__(model, spec, cut=cut, checkpoint=checkpoint)
 
     def trained(self) -> nn.Module:
         """Return the whole model."""
@@ -43,15 +39,18 @@ class WholeModelStep(ClientStep):
         return {k: v.detach().clone() for k, v in self.model.stages.state_dict().items()}
 
     def memory_bytes(self, batch_size: int) -> int:
-        """Estimate the whole model's training memory for one batch."""
-        return client_train_memory_bytes(self.model, self.model.num_stages, batch_size=batch_size)
+        """Estimate the whole model's training memory for one batch, the loss's included."""
+        stages = client_train_memory_bytes(
+            self.model, self.model.num_stages, batch_size=batch_size, checkpoint=self.checkpoint
+        )
+        return stages + cross_entropy_memory_bytes(self.model.num_classes, batch_size=batch_size)
 
-    def train_batch(
+    def _train_batch(
         self, inputs: Tensor, labels: Tensor, channel: TrunkChannel | None,
         optimizer: torch.optim.Optimizer,
     ) -> tuple[float, int]:
         """One local SGD step."""
-        logits = self.model(inputs)
+        logits = self.run_stages(self.model.stages, inputs)
         loss = nn.functional.cross_entropy(logits, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -53,7 +53,7 @@ class SGLRSession(BatchingSplitSession):
         trunk = self.pool.trunk
         scale = self.server_lr_scale or float(len(group))
         leaves = [s.activations.detach().requires_grad_(True) for s in group]
-        with trunk.step(samples=sum(len(s.labels) for s in group)) as backward:
+        with trunk.step(samples=sum(len(s.labels) for s in group), from_stage=cut) as backward:
             logits = [trunk.run(leaf, cut) for leaf in leaves]
             losses = [nn.functional.cross_entropy(out, s.labels, reduction="none")
                       for out, s in zip(logits, group, strict=True)]

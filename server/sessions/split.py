@@ -6,9 +6,12 @@ sequential SL). Which trunk a client trains is the pool's choice:
 * :class:`SharedTrunk` (SplitFed v2, sequential): one trunk, a step per batch
   in arrival order.
 * :class:`TrunkPerClient` (SplitFed v1): each client trains its own copy during
-  a round; at round end the copies of the clients that *finished* are averaged,
-  weighted by samples, into the global trunk, the rest dropped. Copies exist
-  only while their client trains.
+  a round; at round end the copies of the clients that *finished* are merged,
+  stage by stage and weighted by samples, into the global trunk, the rest
+  dropped. Copies exist only while their client trains.
+
+Either pool merges the round per stage with the clients' copies
+(:mod:`server.sessions.merge`), so clients may hold different cuts.
 
 :class:`BatchingSplitSession` (SplitFed v2 with ``batch_concurrent``) steps once
 over the batches of every attached session. Its barrier counts the sessions
@@ -21,12 +24,19 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from server.sessions.merge import (
+    StageCopy,
+    client_copy,
+    fill_missing,
+    merge_stages,
+    trunk_copy,
+)
 from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane import trunk_pb2 as pb
@@ -53,7 +63,18 @@ class SharedTrunk:
         return self.trunk
 
     def finish_round(self, finished: Iterable[str]) -> None:
-        """Nothing to merge: updates were applied as batches arrived."""
+        """Nothing to settle: updates were applied as batches arrived."""
+
+    def merge_round(self, clients: Sequence[StageCopy], *, upto: int) -> dict[str, Tensor]:
+        """Merge the clients' copies with the trunk's, per stage; return stages ``[0, upto)``.
+
+        The merged stages are loaded into the trunk too, so that both sides hold
+        the same weights for every stage when cuts move next round.
+        """
+        state = self.trunk.stage_state()
+        merged = merge_stages([*clients, trunk_copy(state, self.trunk.take_stage_samples())])
+        self.trunk.load_stages(merged)
+        return fill_missing(merged, state, upto)
 
 
 class TrunkPerClient:
@@ -62,6 +83,7 @@ class TrunkPerClient:
     def __init__(self, trunk: Trunk) -> None:
         self.trunk = trunk
         self._copies: dict[str, Trunk] = {}
+        self._finished: list[Trunk] = []  # this round's copies of clients that finished
         self._lock = threading.Lock()
 
     def trunk_for(self, client: str) -> Trunk:
@@ -72,24 +94,23 @@ class TrunkPerClient:
             return self._copies[client]
 
     def finish_round(self, finished: Iterable[str]) -> None:
-        """Average the finished clients' copies into the global trunk; drop all copies."""
+        """Keep the finished clients' copies for the merge; drop the others."""
         with self._lock:
             copies, self._copies = self._copies, {}
-        kept = [copies[c] for c in finished if c in copies and copies[c].samples > 0]
-        if not kept:
-            return
-        total = sum(t.samples for t in kept)
-        states = [t.model.state_dict() for t in kept]
-        weights = [t.samples / total for t in kept]
-        merged = {
-            key: sum(s[key].double() * w for s, w in zip(states, weights, strict=True))
-            .to(states[0][key].dtype)
-            for key in states[0]
-        }
-        self.trunk.load(
-            merged, steps=sum(t.steps for t in kept), samples=total,
-            busy_s=sum(t.busy_s for t in kept),
-        )
+        self._finished = [copies[c] for c in finished if c in copies and copies[c].samples > 0]
+
+    def merge_round(self, clients: Sequence[StageCopy], *, upto: int) -> dict[str, Tensor]:
+        """Merge client copies and the finished trunk copies per stage into the global trunk.
+
+        Returns stages ``[0, upto)`` of the merged model.
+        """
+        kept, self._finished = self._finished, []
+        copies = [trunk_copy(t.stage_state(), t.take_stage_samples()) for t in kept]
+        merged = merge_stages([*clients, *copies])
+        self.trunk.load_stages(merged)
+        self.trunk.add_books(steps=sum(t.steps for t in kept),
+                        samples=sum(t.samples for t in kept), busy_s=sum(t.busy_s for t in kept))
+        return fill_missing(merged, self.trunk.stage_state(), upto)
 
 
 @dataclass(frozen=True)
@@ -104,7 +125,7 @@ class StepResult:
 def train_on_batch(trunk: Trunk, cut: int, activations: Tensor, labels: Tensor) -> StepResult:
     """Forward, backward and update the stages above ``cut``; refuse a non-finite step."""
     acts = activations.detach().requires_grad_(True)
-    with trunk.step(samples=len(labels)) as backward:
+    with trunk.step(samples=len(labels), from_stage=cut) as backward:
         logits = trunk.run(acts, cut)
         losses = nn.functional.cross_entropy(logits, labels, reduction="none")
         backward(losses.mean())
@@ -185,8 +206,17 @@ class SplitSession:
         """Nothing kept per stream."""
 
     def finish_round(self, finished: Iterable[str]) -> None:
-        """Merge what the pool keeps per client (SplitFed v1)."""
+        """Settle what the pool keeps per client (SplitFed v1)."""
         self.pool.finish_round(finished)
+
+    def merge_round(
+        self, updates: Sequence[tuple[Mapping[str, Tensor], int]], *, upto: int
+    ) -> dict[str, Tensor]:
+        """Merge the clients' ``(state, samples)`` with the trunk's copies, stage by stage.
+
+        Returns stages ``[0, upto)`` of the merged model (see :mod:`server.sessions.merge`).
+        """
+        return self.pool.merge_round([client_copy(s, n) for s, n in updates], upto=upto)
 
 
 @dataclass

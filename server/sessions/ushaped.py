@@ -160,7 +160,7 @@ class UShapedSession:
         """Backpropagate ``grad`` through the pending forward, step, return the cut gradient."""
         cut, acts, features = pending.cut, pending.activations, pending.features
         stages = self.trunk.model.stages[cut:self.tail_cut]
-        with self.trunk.step(samples=len(acts)) as backward:
+        with self.trunk.step(samples=len(acts), from_stage=cut) as backward:
             restore: list[tuple[Tensor, Tensor]] = []
             if _versions(self._params(cut)) != pending.versions:
                 self.recomputed += 1

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 MBIT = 1_000_000 / 8  # bytes per second in one Mbit/s
@@ -140,3 +140,30 @@ def build_fleet(
         )
     presets = {name: DeviceProfile.from_mapping(name, profiles[name]) for name in mix}
     return [presets[name] for name in assign_profiles(num_clients, mix, seed=seed)]
+
+
+def apply_traces(
+    profile: DeviceProfile, traces: Sequence[Any], *, partition_id: int, server_round: int
+) -> DeviceProfile:
+    """Return the device as it is in ``server_round``, after every trace event begun.
+
+    Each event (``devices.traces`` in the config: ``from_round``, the ``profiles``
+    and/or ``partitions`` it hits, ``flops_scale``, ``memory_scale`` and new link
+    figures) applies from its round on, in order, to the devices it names: a phone
+    that throttles, memory another app takes, a link that drops from Wi-Fi to
+    cellular. A pure function of the round, so client and server agree on it.
+    """
+    for event in traces:
+        hit = profile.name in event.profiles or partition_id in event.partitions
+        if not hit or server_round < event.from_round:
+            continue
+        profile = replace(
+            profile,
+            flops_per_s=profile.flops_per_s * event.flops_scale,
+            memory_bytes=int(profile.memory_bytes * event.memory_scale),
+            uplink_mbps=profile.uplink_mbps if event.uplink_mbps is None else event.uplink_mbps,
+            downlink_mbps=(profile.downlink_mbps if event.downlink_mbps is None
+                           else event.downlink_mbps),
+            rtt_s=profile.rtt_s if event.rtt_s is None else event.rtt_s,
+        )
+    return profile

@@ -84,10 +84,10 @@ class GatedTrunk(Trunk):
         self.entered = 0  # steps that reached the gate
 
     @contextmanager
-    def step(self, *, samples: int) -> Iterator:
+    def step(self, *, samples: int, from_stage: int) -> Iterator:
         self.entered += 1
         assert self.gate.wait(30), "the test never opened the gate"
-        with super().step(samples=samples) as backward:
+        with super().step(samples=samples, from_stage=from_stage) as backward:
             yield backward
 
 
@@ -157,7 +157,7 @@ def test_initial_state_holds_bottom_and_aux_and_evaluation_ignores_the_aux():
     model = digits_like_model()
     spec = ll_spec(aux_hidden=8, cut=1)
     runtime = SimpleNamespace(protocol=protocol_named("local_loss"), spec=spec,
-                              trunk=Trunk(copy.deepcopy(model), lr=LR))
+                              trunk=Trunk(copy.deepcopy(model), lr=LR), planning=None)
     state = record_to_state(initial_arrays(runtime))
     stages, aux = split_client_state(state)
     assert set(stages) == set(split(model, 1)[0].state_dict())

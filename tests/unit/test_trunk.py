@@ -32,6 +32,7 @@ from splitlearn.config import DataPlaneConfig
 from splitlearn.dataplane import FrameError, Reason, Session, SessionGrant, TrunkRejected
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor, encode_tensor
+from splitlearn.split import bottom_state
 from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import max_param_diff
 
@@ -115,7 +116,7 @@ def test_a_step_with_non_finite_gradients_applies_nothing_and_a_good_step_after_
     model = digits_like_model("resnet")  # batch norm: buffers must not move either
     first, second = activations(model, 1), activations(model, 2)
     trunk = Trunk(copy.deepcopy(model), lr=LR, momentum=0.9)
-    with trunk.step(samples=8) as backward:
+    with trunk.step(samples=8, from_stage=CUT) as backward:
         good_body(trunk, backward, *first)
     state = copy.deepcopy(trunk.model.state_dict())
     momenta = [trunk.optimizer.state[p]["momentum_buffer"].clone()
@@ -123,7 +124,7 @@ def test_a_step_with_non_finite_gradients_applies_nothing_and_a_good_step_after_
     assert momenta  # the first step created the optimiser state that must survive
 
     with pytest.raises(FrameError, match="not finite") as refused, \
-            trunk.step(samples=99) as backward:
+            trunk.step(samples=99, from_stage=CUT) as backward:
         logits = trunk.run(second[0], CUT)
         backward(nn.functional.cross_entropy(logits, second[1]) * poison)
     assert refused.value.reason == Reason.STEP_NOT_FINITE
@@ -135,7 +136,7 @@ def test_a_step_with_non_finite_gradients_applies_nothing_and_a_good_step_after_
     assert (trunk.steps, trunk.samples) == (1, 8)
     assert all(p.grad is None for p in trunk.model.parameters())
 
-    with trunk.step(samples=8) as backward:
+    with trunk.step(samples=8, from_stage=CUT) as backward:
         good_body(trunk, backward, *second)
     # Reference: the two good steps alone, on an independent copy.
     ref, _ = reference_sgd(model, [first, second], momentum=0.9)
@@ -149,7 +150,7 @@ def test_a_body_that_raises_applies_nothing_and_the_error_propagates():
     trunk = Trunk(copy.deepcopy(model), lr=LR)
     acts, labels = activations(model, 1)
     with pytest.raises(RuntimeError, match="client went away"), \
-            trunk.step(samples=8) as backward:
+            trunk.step(samples=8, from_stage=CUT) as backward:
         good_body(trunk, backward, acts, labels)  # finite gradients, but the body stops
         raise RuntimeError("client went away")
     assert max_param_diff(trunk.model, model) == 0.0
@@ -163,7 +164,7 @@ def test_steps_samples_and_busy_seconds_are_booked_once_per_step(fake_clock):
     result = train_on_batch(trunk, CUT, acts, labels)
     assert (trunk.steps, trunk.samples, trunk.busy_s) == (1, 8, 1.0)
     assert result.losses.shape == (8,) and result.grad.shape == acts.shape
-    with pytest.raises(FrameError), trunk.step(samples=8) as backward:
+    with pytest.raises(FrameError), trunk.step(samples=8, from_stage=CUT) as backward:
         backward(trunk.run(acts, CUT).sum() * float("nan"))
     assert (trunk.steps, trunk.samples, trunk.busy_s) == (1, 8, 2.0)  # held, not counted
     with torch.no_grad(), trunk.forward_only(train=False):
@@ -180,7 +181,7 @@ def test_steps_samples_and_busy_seconds_are_booked_once_per_step(fake_clock):
     assert (trunk.steps, trunk.samples, trunk.busy_s) == (2, 13, 5.0)
 
 
-def test_fork_is_independent_and_load_adds_the_copies_books():
+def test_fork_is_independent_and_a_merge_adds_the_copies_books():
     model = digits_like_model()
     trunk = Trunk(copy.deepcopy(model), lr=LR)
     train_on_batch(trunk, CUT, *activations(model, 1))
@@ -190,8 +191,8 @@ def test_fork_is_independent_and_load_adds_the_copies_books():
     train_on_batch(fork, CUT, *activations(model, 2))
     assert max_param_diff(fork.model, trunk.model) > 0  # the original did not move
     snapshot = trunk.snapshot()
-    trunk.load(fork.model.state_dict(), steps=fork.steps, samples=fork.samples,
-               busy_s=fork.busy_s)
+    trunk.load_stages(fork.stage_state())
+    trunk.add_books(steps=fork.steps, samples=fork.samples, busy_s=fork.busy_s)
     assert max_param_diff(trunk.model, fork.model) == 0.0
     assert (trunk.steps, trunk.samples) == (2, 16)
     assert max_param_diff(snapshot, trunk.model) > 0  # a snapshot is a copy
@@ -257,6 +258,7 @@ def test_per_client_copies_merge_weighted_by_samples_and_drop_unfinished(fake_cl
     # Reference: train separate copies by hand, average a and b by samples (8 : 24).
     refs = {c: reference_sgd(model, [batches[c]])[0].state_dict() for c in ("a", "b")}
     pool.finish_round(["a", "b", "never-started"])  # "gone" did not finish: dropped
+    pool.merge_round([], upto=CUT)  # no client copies: the trunk copies alone
     merged = pool.trunk.model.state_dict()
     for key, value in merged.items():
         expected = refs["a"][key].double() * 0.25 + refs["b"][key].double() * 0.75
@@ -278,6 +280,7 @@ def test_a_round_where_nobody_finished_leaves_the_trunk_as_it_was():
     pool = TrunkPerClient(Trunk(copy.deepcopy(model), lr=LR))
     train_on_batch(pool.trunk_for("gone"), CUT, *activations(model, 1))
     pool.finish_round([])
+    assert pool.merge_round([], upto=CUT).keys() == set(bottom_state(model, CUT))
     assert max_param_diff(pool.trunk.model, model) == 0.0 and pool.trunk.steps == 0
 
 

@@ -457,7 +457,7 @@ def test_initial_arrays_hold_head_and_tail():
     spec = ushaped_spec(3)
     spec.model.cut = 1
     runtime = SimpleNamespace(protocol=protocol_named("ushaped"), spec=spec,
-                              trunk=Trunk(copy.deepcopy(model), lr=LR))
+                              trunk=Trunk(copy.deepcopy(model), lr=LR), planning=None)
     state = record_to_state(initial_arrays(runtime))
     expected = ushaped_state(model, 1, 3)
     assert state.keys() == expected.keys()

@@ -1,0 +1,95 @@
+"""Per-stage activation checkpointing for the device's stages.
+
+With checkpointing, each stage but the last runs under
+:func:`torch.utils.checkpoint.checkpoint` (non-reentrant): the forward keeps only
+the stage's input, and the stage is run again during backward to rebuild what
+its backward needs. The last stage runs plain: its backward comes first, while
+every boundary is still held, so rebuilding it cannot lower the peak. The device
+then holds the stage-boundary activations plus one stage's saved tensors at a
+time, for one more forward of all but the last stage
+(:func:`splitlearn.calibration.client_train_memory_bytes` models the bytes).
+
+Running a stage twice would update BatchNorm running statistics twice (and count
+the batch twice in ``num_batches_tracked``). Checkpointing lets the caller give
+a context for the recomputation; the one here snapshots the stage's buffers
+before it and copies them back after, so buffers end up exactly as after one
+plain forward. Dropout masks match because checkpointing restores the RNG state
+for the recomputation (``preserve_rng_state``, on by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+#: Makes a context entered around each recomputation (e.g. a meter's ``observing``).
+RecomputeContext = Callable[[], AbstractContextManager[None]]
+
+
+def run_stages(
+    stages: Iterable[nn.Module],
+    x: Tensor,
+    *,
+    checkpoint: bool,
+    recompute_context: RecomputeContext = nullcontext,
+) -> Tensor:
+    """Run ``stages`` in order, each under a checkpoint when asked and grad is on.
+
+    Parameters
+    ----------
+    stages : Iterable[nn.Module]
+        Consecutive stages, e.g. the device's ``model.stages[:cut]``.
+    x : Tensor
+        The first stage's input.
+    checkpoint : bool
+        Checkpoint every stage but the last. Ignored when gradients are off
+        (evaluation), where nothing is saved anyway.
+    recompute_context : RecomputeContext, optional
+        Called at each stage's forward; the context it returns is entered
+        around that stage's recomputation, inside checkpointing's own hooks.
+
+    Returns
+    -------
+    Tensor
+        The last stage's output.
+    """
+    checkpoint = checkpoint and torch.is_grad_enabled()
+    stages = list(stages)
+    for index, stage in enumerate(stages):
+        # The last stage runs plain: its backward comes first, while every boundary is
+        # still held, so rebuilding it would only add recomputation (and a second copy
+        # of the output at the cut) without lowering the peak.
+        if checkpoint and index < len(stages) - 1:
+            contexts = partial(_contexts, stage, recompute_context)
+            x = torch_checkpoint(stage, x, use_reentrant=False, context_fn=contexts)
+        else:
+            x = stage(x)
+    return x
+
+
+def _contexts(
+    stage: nn.Module, recompute_context: RecomputeContext
+) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    """Checkpoint's ``context_fn``: nothing around the forward, buffers kept around the rerun."""
+    return nullcontext(), _recomputing(stage, recompute_context())
+
+
+@contextmanager
+def _recomputing(stage: nn.Module, inner: AbstractContextManager[None]) -> Iterator[None]:
+    """Leave ``stage``'s buffers as the forward left them, whatever the rerun does."""
+    buffers = list(stage.buffers())
+    before = [b.detach().clone() for b in buffers]
+    try:
+        with inner:
+            yield
+    finally:
+        # Also on early stop: checkpointing ends the rerun with an exception
+        # once it has every tensor it needs.
+        with torch.no_grad():
+            for buffer, value in zip(buffers, before, strict=True):
+                buffer.copy_(value)

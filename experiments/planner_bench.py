@@ -1,0 +1,224 @@
+"""The planner benchmark: virtual time to a target accuracy, uniform cuts vs planners.
+
+``python -m experiments.bench planner [--seeds N] [--target ACC] [overrides ...]``
+
+For each scenario (``+scenario=heterogeneous`` and ``+scenario=dynamic``) and
+seed, the same run is trained once per uniform cut and once per planner
+(greedy, DynSL, SmartSplit) through the shipped strategy, ClientApp and trunk
+(:func:`experiments.local.run_local`), and the virtual clock says when each
+first reached the target test accuracy. The host's FLOP/s are measured once and
+fixed for every run, so the clock converts every run's compute the same way.
+
+It also checks the planner itself (its makespan against brute force on random
+instances of up to 6 clients x 6 cuts, and the time to plan 1,000 clients x 20
+cuts) and writes ``planner.csv``, ``planner.json`` and ``planner.png`` into the
+output folder. The last line printed is JSON with the reductions of the best
+planner's time to target versus the best and the worst uniform cut and versus
+greedy (the worst case over the scenarios), plus final accuracies.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from protocols import compose_config
+
+#: The ResNet-style network on digits resized to 16x16; 15 rounds.
+PLANNER_DEFAULTS = (
+    "model=resnet",
+    "dataset.image_size=16",
+    "strategy.num_rounds=15",
+    "logger=none",
+)
+SCENARIOS = ("heterogeneous", "dynamic")
+PLANNERS = ("greedy", "dynsl", "smartsplit")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One training run's outcome on the virtual clock."""
+
+    scenario: str
+    seed: int
+    method: str  # "cut=K" for a uniform cut, else the planner's name
+    time_to_target_s: float  # inf when the target was never reached
+    virtual_time_s: float  # the whole run's
+    final_accuracy: float
+    best_accuracy: float
+    max_memory_over_budget: float  # measured peak / budget, worst client-round (0: none)
+
+
+def time_to_target(history: Sequence[dict], target: float) -> float:
+    """Virtual seconds at the end of the first round reaching ``target`` (inf if none)."""
+    for row in history:
+        if row["round"] >= 1 and row["test_accuracy"] >= target:
+            return float(row["virtual_time_s"])
+    return math.inf
+
+
+def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
+             host_flops: dict[int, float], target: float) -> RunResult:
+    """Train one configuration in this process and read its clock."""
+    from experiments.local import run_local
+
+    choice = [f"model.cut={method[4:]}"] if method.startswith("cut=") else [f"planner={method}"]
+    by_cut = "{" + ", ".join(f"{c}: {f}" for c, f in host_flops.items()) + "}"
+    cfg = compose_config([f"+scenario={scenario}", *PLANNER_DEFAULTS, *overrides, *choice,
+                          f"seed={seed}", f"devices.host_flops_per_s={min(host_flops.values())}",
+                          f"+devices.host_flops_by_cut={by_cut}"])
+    torch.set_num_threads(cfg.engine.torch_threads)
+    result = run_local(cfg, concurrency=2)
+    history = result.history
+    final = history[-1]
+    return RunResult(
+        scenario, seed, method, time_to_target(history, target), float(final["virtual_time_s"]),
+        float(final["test_accuracy"]), max(float(r["test_accuracy"]) for r in history),
+        max((float(r.get("memory_over_budget", 0.0)) for r in history), default=0.0),
+    )
+
+
+def mean_time(results: Sequence[RunResult]) -> float:
+    """Mean time to target over seeds (inf if any seed never reached it)."""
+    return statistics.fmean(r.time_to_target_s for r in results)
+
+
+def summarise(results: Sequence[RunResult], cuts: Sequence[int]) -> dict:
+    """Per scenario: each method's mean time and accuracy; the best planner's reductions."""
+    summary: dict = {}
+    for scenario in sorted({r.scenario for r in results}):
+        mine = [r for r in results if r.scenario == scenario]
+        methods = sorted({r.method for r in mine})
+        times = {m: mean_time([r for r in mine if r.method == m]) for m in methods}
+        finals = {m: statistics.fmean(r.final_accuracy for r in mine if r.method == m)
+                  for m in methods}
+        uniform = {f"cut={c}": times[f"cut={c}"] for c in cuts if f"cut={c}" in times}
+        planners = {m: times[m] for m in PLANNERS if m in times}
+        best_planner = min(planners, key=planners.get)  # type: ignore[arg-type]
+        best_uniform = min(uniform, key=uniform.get)  # type: ignore[arg-type]
+        worst_uniform = max(uniform, key=uniform.get)  # type: ignore[arg-type]
+        summary[scenario] = {
+            "time_to_target_s": times, "final_accuracy": finals,
+            "best_planner": best_planner, "best_uniform": best_uniform,
+            "worst_uniform": worst_uniform,
+            "reduction_vs_best_uniform": reduction(planners[best_planner], uniform[best_uniform]),
+            "reduction_vs_worst_uniform": reduction(planners[best_planner],
+                                                    uniform[worst_uniform]),
+            "reduction_vs_greedy": reduction(planners[best_planner], planners.get("greedy")),
+            "accuracy_gap_vs_best_uniform": finals[best_planner] - finals[best_uniform],
+        }
+    return summary
+
+
+def reduction(mine: float, other: float | None) -> float | None:
+    """Fraction of ``other``'s time that ``mine`` saves (None when undefined)."""
+    if other is None or not math.isfinite(mine):
+        return None
+    if not math.isfinite(other):
+        return 1.0  # the other never reached the target
+    return 1.0 - mine / other
+
+
+def check_solver(*, instances: int = 200, seed: int = 0) -> dict:
+    """Check the exact solver against brute force on small instances; time 1,000 x 20."""
+    from splitlearn.planning.solve import brute_force, random_instance, solve, time_planner
+
+    worst_gap = 0.0
+    for i in range(instances):
+        clients, cuts, trunk = random_instance(1 + i % 6, 1 + (i // 6) % 6, seed=seed + i)
+        exact = solve(clients, cuts, trunk_flops_per_s=trunk, allow_checkpoint=False)
+        brute = brute_force(clients, cuts, trunk_flops_per_s=trunk, allow_checkpoint=False)
+        if brute.makespan_s > 0:
+            worst_gap = max(worst_gap, exact.makespan_s / brute.makespan_s - 1.0)
+    return {"instances": instances, "worst_gap_vs_brute_force": worst_gap,
+            "plan_1000x20_s": time_planner(1000, 20, seed=seed)}
+
+
+def plot(results: Sequence[RunResult], path: Path) -> None:
+    """Bars of mean time to target per method, one panel per scenario."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = sorted({r.scenario for r in results})
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(6 * len(scenarios), 4), squeeze=False)
+    for ax, scenario in zip(axes[0], scenarios, strict=True):
+        mine = [r for r in results if r.scenario == scenario]
+        methods = sorted({r.method for r in mine}, key=lambda m: (not m.startswith("cut="), m))
+        times = [mean_time([r for r in mine if r.method == m]) for m in methods]
+        shown = [t if math.isfinite(t) else 0.0 for t in times]
+        colors = ["tab:gray" if m.startswith("cut=") else "tab:blue" for m in methods]
+        ax.bar(methods, shown, color=colors)
+        for x, t in enumerate(times):
+            if not math.isfinite(t):
+                ax.text(x, 0, "never", ha="center", va="bottom", rotation=90)
+        ax.set_title(f"{scenario}: virtual time to target")
+        ax.set_ylabel("virtual seconds")
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def bench_planner(overrides: Sequence[str], *, seeds: int = 3, target: float = 0.9,
+                  out_dir: Path | None = None) -> dict:
+    """Run every method on every scenario and seed; print and return the summary."""
+    from server.app import host_flops_by_cut
+    from splitlearn.config import to_object
+    from splitlearn.models.factory import build_model_from_config
+
+    base = compose_config([f"+scenario={SCENARIOS[0]}", *PLANNER_DEFAULTS, *overrides])
+    model = build_model_from_config(to_object(base.model), to_object(base.dataset))
+    # Measured once, so that every run's clock converts compute with the same figures.
+    host_flops = host_flops_by_cut(base, model)
+    cuts = model.valid_cuts
+    out_dir = out_dir or Path("outputs/bench") / time.strftime("planner-%Y-%m-%d-%H-%M-%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"host GFLOP/s by cut {({c: round(f / 1e9, 2) for c, f in host_flops.items()})}; "
+          f"target {target}; {seeds} seeds; results in {out_dir}", flush=True)
+    results: list[RunResult] = []
+    methods = [f"cut={c}" for c in cuts] + list(PLANNERS)
+    for scenario in SCENARIOS:
+        for seed in range(seeds):
+            for method in methods:
+                started = time.perf_counter()
+                result = run_once(scenario, seed, method, overrides, host_flops=host_flops,
+                                  target=target)
+                results.append(result)
+                print(f"{scenario:>13} seed {seed} {method:>10}: time to {target:.0%} "
+                      f"{result.time_to_target_s:8.1f} s, final acc "
+                      f"{result.final_accuracy:.4f} ({time.perf_counter() - started:.0f} s wall)",
+                      flush=True)
+                write_rows(results, out_dir / "planner.csv")
+    summary = summarise(results, cuts) | {"solver": check_solver()}
+    (out_dir / "planner.json").write_text(json.dumps(summary, indent=2, default=str))
+    plot(results, out_dir / "planner.png")
+    last = {key: min((s[key] for s in summary.values() if isinstance(s, dict) and key in s
+                      and s[key] is not None), default=None)
+            for key in ("reduction_vs_best_uniform", "reduction_vs_worst_uniform",
+                        "reduction_vs_greedy")}
+    last["accuracy_gap_vs_best_uniform"] = min(
+        summary[s]["accuracy_gap_vs_best_uniform"] for s in SCENARIOS if s in summary)
+    last |= {"solver_worst_gap": summary["solver"]["worst_gap_vs_brute_force"],
+             "plan_1000x20_s": summary["solver"]["plan_1000x20_s"]}
+    for scenario in SCENARIOS:
+        print(f"{scenario}: {json.dumps(summary.get(scenario), default=str)}")
+    print(json.dumps(last))
+    return summary
+
+
+def write_rows(results: Sequence[RunResult], path: Path) -> None:
+    """One CSV row per run."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(results[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in results)

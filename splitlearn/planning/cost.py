@@ -1,0 +1,186 @@
+"""The planner's cost model: what a client's round costs at each cut (pure Python).
+
+Everything here is arithmetic on numbers the zoo reports per stage
+(:meth:`splitlearn.models.SplittableModel.stage_costs`) and on what clients
+measured; nothing imports torch or Flower, so planners can be tested and
+reasoned about alone.
+
+A client ``i`` that trains ``s_i`` samples in ``b_i`` batches at cut ``c``
+needs, in the virtual clock's terms (``splitlearn.planning.clock``)::
+
+    T_i(c) = s_i * flops_client(c) / F_i            # compute (x 4/3 when checkpointing)
+           + s_i * smashed(c) / up_i                # activations up
+           + s_i * smashed(c) / down_i              # their gradients down
+           + b_i * rtt_i                            # one round trip per batch
+           + params(c) / down_i + params(c) / up_i  # its stages' weights, there and back
+
+and the trunk ``W_i(c) = s_i * flops_server(c) / F_trunk``. A shared trunk
+serialises its steps, so a round lasts ``max_i T_i(c_i) + sum_i W_i(c_i)``
+(the same model the virtual clock charges); a trunk per client in parallel
+gives ``max_i (T_i(c_i) + W_i(c_i))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+#: Backward costs about twice the forward: training = 3 forwards.
+TRAIN_TO_FORWARD_FLOPS = 3
+
+
+@dataclass(frozen=True)
+class CutCost:
+    """What cut ``cut`` costs per sample, from the model's stage costs.
+
+    Parameters
+    ----------
+    cut : int
+        Stages ``[0, cut)`` on the client.
+    client_flops_per_sample : float
+        Training FLOPs (forward + backward) of the client's stages.
+    recompute_flops_per_sample : float
+        Extra FLOPs when the client checkpoints its activations (one more
+        forward of its stages during backward).
+    server_flops_per_sample : float
+        Training FLOPs of the trunk's stages ``[cut, n)``.
+    smashed_bytes_per_sample : int
+        Bytes of the activation at the cut (float32); its gradient is as large.
+    client_param_bytes : int
+        Bytes of the client's weights (float32), downloaded and uploaded each round.
+    memory_bytes : int
+        Client training memory for one batch at the run's batch size.
+    checkpointed_memory_bytes : int
+        The same with per-stage activation checkpointing.
+    leak : float | None
+        A measured attack score at this cut (e.g. inversion SSIM; higher
+        reveals more), or None when not measured.
+    """
+
+    cut: int
+    client_flops_per_sample: float
+    recompute_flops_per_sample: float
+    server_flops_per_sample: float
+    smashed_bytes_per_sample: int
+    client_param_bytes: int
+    memory_bytes: int
+    checkpointed_memory_bytes: int
+    leak: float | None = None
+
+
+@dataclass(frozen=True)
+class ClientState:
+    """What the planner knows of one client (smoothed measurements or a prior).
+
+    Parameters
+    ----------
+    client : str
+        The client's id (a Flower node id as text).
+    flops_per_s : float
+        Training FLOP/s.
+    uplink_bytes_per_s, downlink_bytes_per_s : float
+        Link bandwidths.
+    rtt_s : float
+        Round-trip latency, paid once per batch.
+    memory_bytes : float
+        Memory budget for training.
+    samples : int
+        Samples the client trains per round (epochs included).
+    batches : int
+        Batches per round (data-plane exchanges).
+    utility : float
+        Statistical utility of its data (SmartSplit's selection), >= 0.
+    current_cut : int | None
+        The cut it held last round, if any (moving costs bytes).
+    """
+
+    client: str
+    flops_per_s: float
+    uplink_bytes_per_s: float
+    downlink_bytes_per_s: float
+    rtt_s: float
+    memory_bytes: float
+    samples: int
+    batches: int
+    utility: float = 1.0
+    current_cut: int | None = None
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One client's part in a round: its cut and whether it checkpoints."""
+
+    client: str
+    cut: int
+    checkpoint: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A round's plan: who trains at which cut, and the predicted makespan.
+
+    Parameters
+    ----------
+    assignments : tuple[Assignment, ...]
+        The clients that take part.
+    makespan_s : float
+        Predicted round length under the cost model.
+    excluded : dict[str, str]
+        Clients left out, with the reason (no cut fits its memory, not selected).
+    """
+
+    assignments: tuple[Assignment, ...]
+    makespan_s: float
+    excluded: dict[str, str] = field(default_factory=dict)
+
+    def cut_of(self, client: str) -> int | None:
+        """Return ``client``'s cut, or None when it does not take part."""
+        return next((a.cut for a in self.assignments if a.client == client), None)
+
+
+def client_seconds(client: ClientState, cost: CutCost, *, checkpoint: bool = False) -> float:
+    """Predicted seconds of the client's own compute and transfers at ``cost.cut``."""
+    flops = cost.client_flops_per_sample + (cost.recompute_flops_per_sample if checkpoint else 0.0)
+    activations = client.samples * cost.smashed_bytes_per_sample
+    weights = cost.client_param_bytes
+    return (
+        client.samples * flops / client.flops_per_s
+        + (activations + weights) / client.uplink_bytes_per_s
+        + (activations + weights) / client.downlink_bytes_per_s
+        + client.batches * client.rtt_s
+    )
+
+
+def trunk_seconds(client: ClientState, cost: CutCost, *, trunk_flops_per_s: float) -> float:
+    """Predicted seconds the trunk works for ``client`` at ``cost.cut``."""
+    return client.samples * cost.server_flops_per_sample / trunk_flops_per_s
+
+
+def fits(client: ClientState, cost: CutCost, *, checkpoint: bool = False) -> bool:
+    """Whether the cut's training memory fits the client's budget."""
+    needed = cost.checkpointed_memory_bytes if checkpoint else cost.memory_bytes
+    return needed <= client.memory_bytes
+
+
+def makespan(
+    times: Iterable[tuple[float, float]], *, shared_trunk: bool = True
+) -> float:
+    """Round length from ``(client seconds, trunk seconds)`` per taking-part client."""
+    pairs = list(times)
+    if not pairs:
+        return 0.0
+    if shared_trunk:
+        return max(t for t, _ in pairs) + sum(w for _, w in pairs)
+    return max(t + w for t, w in pairs)
+
+
+def move_bytes(costs: Sequence[CutCost], old_cut: int | None, new_cut: int) -> int:
+    """Bytes of the stages that change sides when a client's cut moves.
+
+    The client's stages are exchanged every round anyway; moving adds the
+    stages it newly holds (downloaded) or gives up (uploaded to the trunk).
+    """
+    if old_cut is None or old_cut == new_cut:
+        return 0
+    by_cut = {c.cut: c.client_param_bytes for c in costs}
+    return abs(by_cut[new_cut] - by_cut[old_cut])

@@ -1,0 +1,191 @@
+"""Smoothing what clients measured into the planner's :class:`ClientState` (pure Python).
+
+Each round a client reports what it did: FLOPs and the seconds they took,
+bytes and the seconds they took each way, exchanges and the latency they
+added, its memory budget, its workload, and optionally its loss and label
+coverage. :class:`ClientMonitor` turns these into rates and keeps an
+exponentially weighted moving average of each::
+
+    estimate <- alpha * measured + (1 - alpha) * estimate    (the first sets it)
+
+* ``flops_per_s = flops / compute_s``; ``uplink = bytes_up / upload_s``;
+  ``downlink = bytes_down / download_s``; ``rtt_s = latency_s / exchanges``.
+  A rate whose duration (or amount) is zero or missing is not updated: a
+  round without uploads says nothing about the uplink.
+* The memory budget, samples, batches, label coverage and cut are taken as
+  last reported, not averaged: a budget is a limit (averaging could plan
+  above it) and the workload is configuration.
+* ``utility = label_coverage x loss / mean loss`` over the clients that
+  reported a loss (a client with higher recent loss has more to teach); a
+  factor that is unknown counts as 1, so a client that reported neither has
+  utility 1.0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from splitlearn.planning.cost import ClientState
+
+
+@dataclass
+class _Estimates:
+    """What is known of one client (None: never measured)."""
+
+    flops_per_s: float | None = None
+    uplink_bytes_per_s: float | None = None
+    downlink_bytes_per_s: float | None = None
+    rtt_s: float | None = None
+    loss: float | None = None
+    memory_bytes: float | None = None
+    samples: int | None = None
+    batches: int | None = None
+    label_coverage: float | None = None
+    cut: int | None = None
+
+
+class ClientMonitor:
+    """Exponentially weighted estimates of each client's speed, links and utility.
+
+    Parameters
+    ----------
+    alpha : float
+        Weight of the newest measurement, in (0, 1]; 1 keeps only the latest.
+    """
+
+    def __init__(self, alpha: float = 0.5) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self._known: dict[str, _Estimates] = {}
+
+    def observe(
+        self,
+        client: str,
+        *,
+        flops: float,
+        compute_s: float | None,
+        bytes_up: float,
+        upload_s: float | None,
+        bytes_down: float,
+        download_s: float | None,
+        exchanges: int,
+        latency_s: float | None,
+        memory_bytes: float | None,
+        samples: int,
+        batches: int,
+        loss: float | None = None,
+        label_coverage: float | None = None,
+        cut: int | None = None,
+    ) -> None:
+        """Fold one round's measurements of ``client`` into its estimates.
+
+        Parameters
+        ----------
+        client : str
+            The client's id.
+        flops : float
+            Training FLOPs executed.
+        compute_s : float | None
+            The seconds they took (zero or None: not measured).
+        bytes_up : float
+            Bytes sent.
+        upload_s : float | None
+            The seconds they took (zero or None: not measured).
+        bytes_down : float
+            Bytes received.
+        download_s : float | None
+            The seconds they took (zero or None: not measured).
+        exchanges : int
+            Round trips with the trunk.
+        latency_s : float | None
+            Seconds of latency those round trips added (all of them together).
+        memory_bytes : float | None
+            The client's memory budget (bytes), if reported.
+        samples, batches : int
+            Samples trained and batches exchanged this round.
+        loss : float | None
+            Recent training loss, if reported.
+        label_coverage : float | None
+            Share of the classes present in its data, in [0, 1], if reported.
+        cut : int | None
+            The cut it trained at, if any.
+        """
+        known = self._known.setdefault(client, _Estimates())
+        known.flops_per_s = self._smooth(known.flops_per_s, _rate(flops, compute_s))
+        known.uplink_bytes_per_s = self._smooth(known.uplink_bytes_per_s, _rate(bytes_up, upload_s))
+        known.downlink_bytes_per_s = self._smooth(
+            known.downlink_bytes_per_s, _rate(bytes_down, download_s)
+        )
+        known.rtt_s = self._smooth(known.rtt_s, _per_exchange(latency_s, exchanges))
+        known.loss = self._smooth(known.loss, loss)
+        if memory_bytes is not None and memory_bytes > 0:
+            known.memory_bytes = memory_bytes
+        if samples > 0 and batches > 0:
+            known.samples, known.batches = samples, batches
+        if label_coverage is not None:
+            known.label_coverage = label_coverage
+        if cut is not None:
+            known.cut = cut
+
+    def observe_memory(self, client: str, memory_bytes: float) -> None:
+        """Record the memory budget (bytes) a client reported, e.g. when it declined a cut."""
+        if memory_bytes > 0:
+            self._known.setdefault(client, _Estimates()).memory_bytes = memory_bytes
+
+    def state(self, client: str, prior: ClientState) -> ClientState:
+        """Return ``prior`` with every field this monitor measured for ``client`` replaced.
+
+        ``prior`` supplies what was never measured (e.g. the device profile's
+        figures); its id is replaced by ``client``, so one prior may serve as
+        a template.
+        """
+        known = self._known.get(client, _Estimates())
+        measured = {
+            "flops_per_s": known.flops_per_s,
+            "uplink_bytes_per_s": known.uplink_bytes_per_s,
+            "downlink_bytes_per_s": known.downlink_bytes_per_s,
+            "rtt_s": known.rtt_s,
+            "memory_bytes": known.memory_bytes,
+            "samples": known.samples,
+            "batches": known.batches,
+            "current_cut": known.cut,
+        }
+        updates = {name: value for name, value in measured.items() if value is not None}
+        return replace(prior, client=client, utility=self.utility(client), **updates)
+
+    def utility(self, client: str) -> float:
+        """``label_coverage x loss / mean loss`` (unknown factors count as 1)."""
+        known = self._known.get(client, _Estimates())
+        coverage = 1.0 if known.label_coverage is None else known.label_coverage
+        return coverage * self._relative_loss(known.loss)
+
+    def _relative_loss(self, loss: float | None) -> float:
+        """Divide ``loss`` by the mean loss of the clients that reported one (1.0 if unknown)."""
+        losses = [k.loss for k in self._known.values() if k.loss is not None]
+        mean = sum(losses) / len(losses) if losses else 0.0
+        if loss is None or mean <= 0:
+            return 1.0
+        return loss / mean
+
+    def _smooth(self, estimate: float | None, measured: float | None) -> float | None:
+        """One EWMA step; a missing measurement leaves the estimate as it was."""
+        if measured is None:
+            return estimate
+        if estimate is None:
+            return measured
+        return self.alpha * measured + (1 - self.alpha) * estimate
+
+
+def _rate(amount: float, seconds: float | None) -> float | None:
+    """``amount / seconds``, or None when either is zero or missing (nothing to learn)."""
+    if seconds is None or seconds <= 0 or amount <= 0:
+        return None
+    return amount / seconds
+
+
+def _per_exchange(latency_s: float | None, exchanges: int) -> float | None:
+    """Latency per round trip, or None when there were none or no latency was measured."""
+    if latency_s is None or latency_s <= 0 or exchanges <= 0:
+        return None
+    return latency_s / exchanges

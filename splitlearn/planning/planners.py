@@ -1,0 +1,554 @@
+"""Cut planners, chosen by name (``planner=uniform|greedy|dynsl|smartsplit|oracle``).
+
+Every planner answers one question per round: given what is known of the
+clients (:class:`~splitlearn.planning.cost.ClientState`) and what each cut
+costs (:class:`~splitlearn.planning.cost.CutCost`), who trains at which cut,
+with or without checkpointing? Plans are scored with the same cost model
+(:mod:`splitlearn.planning.cost`), so planners compare on predicted makespan.
+
+* :class:`UniformPlanner`: one fixed cut for everyone (today's behaviour).
+* :class:`GreedyPlanner`: each client its own fastest cut, ignoring that the
+  shared trunk serialises clients (the usual per-client adaptive baseline).
+* :class:`DynSLPlanner`: exact per-client cuts re-planned every ``R`` rounds,
+  moving clients only when the gain pays for the move.
+* :class:`SmartSplitPlanner`: memory-aware device selection with
+  checkpointing, exact over a utility-ranked pool.
+* :class:`OraclePlanner`: exhaustive search (small fleets only).
+* :class:`RotatePlanner`: a diagnostic that moves every client's cut each round.
+
+All take a privacy floor (``min_cut``) and ``forbidden_cuts``
+(:func:`privacy_floor`). Only :class:`DynSLPlanner` keeps state (its last plan).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import random
+from collections.abc import Collection, Sequence
+from typing import Any, Protocol
+
+from splitlearn.planning.cost import ClientState, CutCost, Plan, makespan, move_bytes
+from splitlearn.planning.solve import (
+    Option,
+    TooManyAssignments,
+    allowed_cuts,
+    brute_force,
+    candidate_options,
+    choose_options,
+    client_options,
+    memory_reason,
+    plan_from_choices,
+    solve,
+)
+
+#: Relative slack for "does not raise the makespan" (sums differ by a few ulps).
+_SPAN_RTOL = 1e-12
+
+
+class Planner(Protocol):
+    """What the server asks of a planner once per round."""
+
+    def plan(
+        self,
+        server_round: int,
+        clients: Sequence[ClientState],
+        cuts: Sequence[CutCost],
+        *,
+        trunk_flops_per_s: float,
+    ) -> Plan:
+        """Return this round's plan for ``clients`` over ``cuts``.
+
+        Parameters
+        ----------
+        server_round : int
+            The round being planned (1-based).
+        clients : Sequence[ClientState]
+            The sampled clients (distinct ids).
+        cuts : Sequence[CutCost]
+            The model's cuts.
+        trunk_flops_per_s : float
+            The trunk's training FLOP/s.
+        """
+        ...
+
+
+def privacy_floor(cuts: Sequence[CutCost], max_leak: float) -> frozenset[int]:
+    """Return the cuts whose measured ``leak`` exceeds ``max_leak`` (unmeasured ones pass)."""
+    return frozenset(c.cut for c in cuts if c.leak is not None and c.leak > max_leak)
+
+
+class UniformPlanner:
+    """Every client at one cut without checkpointing; those it does not fit are excluded.
+
+    Parameters
+    ----------
+    cut : int
+        The cut for everyone.
+    min_cut, forbidden_cuts
+        The privacy floor; ``cut`` must respect it.
+    shared_trunk : bool
+        How the makespan is predicted.
+    """
+
+    def __init__(
+        self,
+        cut: int,
+        *,
+        min_cut: int | None = None,
+        forbidden_cuts: Collection[int] = frozenset(),
+        shared_trunk: bool = True,
+    ) -> None:
+        if cut in forbidden_cuts or (min_cut is not None and cut < min_cut):
+            raise ValueError(
+                f"uniform cut {cut} breaks the privacy floor "
+                f"(min_cut={min_cut}, forbidden_cuts={sorted(forbidden_cuts)})"
+            )
+        self.cut = cut
+        self.shared_trunk = shared_trunk
+
+    def plan(
+        self,
+        server_round: int,
+        clients: Sequence[ClientState],
+        cuts: Sequence[CutCost],
+        *,
+        trunk_flops_per_s: float,
+    ) -> Plan:
+        """Put every client that fits at ``self.cut`` (see :class:`Planner`)."""
+        only = [c for c in cuts if c.cut == self.cut]
+        if not only:
+            raise ValueError(f"uniform cut {self.cut} is not one of {[c.cut for c in cuts]}")
+        return solve(
+            clients,
+            only,
+            trunk_flops_per_s=trunk_flops_per_s,
+            allow_checkpoint=False,
+            shared_trunk=self.shared_trunk,
+        )
+
+
+class GreedyPlanner:
+    """Each client the feasible cut of least ``T_i + W_i``, as if it had the trunk alone.
+
+    No checkpointing. The plan's makespan is still predicted with the shared
+    trunk (when ``shared_trunk``), which is what the greedy choice ignores.
+    """
+
+    def __init__(
+        self,
+        *,
+        min_cut: int | None = None,
+        forbidden_cuts: Collection[int] = frozenset(),
+        shared_trunk: bool = True,
+    ) -> None:
+        self.min_cut = min_cut
+        self.forbidden_cuts = frozenset(forbidden_cuts)
+        self.shared_trunk = shared_trunk
+
+    def plan(
+        self,
+        server_round: int,
+        clients: Sequence[ClientState],
+        cuts: Sequence[CutCost],
+        *,
+        trunk_flops_per_s: float,
+    ) -> Plan:
+        """Give each client its own fastest cut (see :class:`Planner`)."""
+        options, excluded = candidate_options(
+            clients,
+            cuts,
+            trunk_flops_per_s=trunk_flops_per_s,
+            allow_checkpoint=False,
+            min_cut=self.min_cut,
+            forbidden_cuts=self.forbidden_cuts,
+        )
+        # min() keeps the first of equal times: options come in preference order.
+        chosen = [
+            min(opts, key=lambda o: o.client_s + o.trunk_s) if opts else None for opts in options
+        ]
+        return plan_from_choices(clients, chosen, excluded, shared_trunk=self.shared_trunk)
+
+
+class DynSLPlanner:
+    """DynSL: exact per-client cuts from measured compute and links, re-planned every R rounds.
+
+    On re-plan rounds (1, 1 + R, 1 + 2R, ...) the planner solves exactly (no
+    selection, no checkpointing) and compares with keeping the current cuts:
+
+    * gain = (kept makespan - new makespan) x R rounds;
+    * cost = sum over moved clients of ``move_bytes`` / its slower link + one RTT.
+
+    The new plan is taken when ``gain > (1 + h) cost`` and ``gain > h x kept
+    makespan``; then each moved client (costliest move first) is put back when
+    that does not raise the new plan's makespan. Between re-plans clients keep
+    their cuts. A client's current cut is the one this planner last gave it,
+    else its ``current_cut``. A client without one, or whose cut no longer
+    fits or is no longer allowed, gets the solver's best cut given the others'
+    kept cuts; such forced moves count in neither plan's cost.
+
+    Parameters
+    ----------
+    every : int
+        Rounds between re-plans, R >= 1.
+    hysteresis : float
+        h >= 0: the margin a re-plan must clear.
+    min_cut, forbidden_cuts
+        The privacy floor.
+    shared_trunk : bool
+        The makespan model solved for.
+    """
+
+    def __init__(
+        self,
+        every: int = 5,
+        hysteresis: float = 0.1,
+        *,
+        min_cut: int | None = None,
+        forbidden_cuts: Collection[int] = frozenset(),
+        shared_trunk: bool = True,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1 round, got {every}")
+        if hysteresis < 0:
+            raise ValueError(f"hysteresis must be >= 0, got {hysteresis}")
+        self.every = every
+        self.hysteresis = hysteresis
+        self.min_cut = min_cut
+        self.forbidden_cuts = frozenset(forbidden_cuts)
+        self.shared_trunk = shared_trunk
+        # The planner's memory: the cut it last gave each client.
+        self.cuts: dict[str, int] = {}
+
+    def is_replan_round(self, server_round: int) -> bool:
+        """Whether ``server_round`` re-plans (rounds 1, 1 + R, ...)."""
+        return (server_round - 1) % self.every == 0
+
+    def plan(
+        self,
+        server_round: int,
+        clients: Sequence[ClientState],
+        cuts: Sequence[CutCost],
+        *,
+        trunk_flops_per_s: float,
+    ) -> Plan:
+        """Keep cuts, or re-plan when this round is a re-plan round (see :class:`Planner`)."""
+        options, excluded = candidate_options(
+            clients,
+            cuts,
+            trunk_flops_per_s=trunk_flops_per_s,
+            allow_checkpoint=False,
+            min_cut=self.min_cut,
+            forbidden_cuts=self.forbidden_cuts,
+        )
+        current = [self._kept_option(c, opts) for c, opts in zip(clients, options, strict=True)]
+        pinned = [[o] if o is not None else opts for o, opts in zip(current, options, strict=True)]
+        kept = choose_options(pinned, select=None, shared_trunk=self.shared_trunk)
+        chosen = kept
+        if self.is_replan_round(server_round):
+            fresh = choose_options(options, select=None, shared_trunk=self.shared_trunk)
+            if self._worth_moving(clients, cuts, current, kept, fresh):
+                chosen = self._revert_needless_moves(clients, cuts, current, fresh)
+        plan = plan_from_choices(clients, chosen, excluded, shared_trunk=self.shared_trunk)
+        self.cuts.update((a.client, a.cut) for a in plan.assignments)
+        return plan
+
+    def _kept_option(self, client: ClientState, options: Sequence[Option]) -> Option | None:
+        """Find the current cut among the feasible options (None: new, or it no longer fits)."""
+        cut = self.cuts.get(client.client, client.current_cut)
+        return next((o for o in options if o.cut == cut), None)
+
+    def _span(self, chosen: Sequence[Option | None]) -> float:
+        pairs = [(o.client_s, o.trunk_s) for o in chosen if o is not None]
+        return makespan(pairs, shared_trunk=self.shared_trunk)
+
+    def _worth_moving(
+        self,
+        clients: Sequence[ClientState],
+        cuts: Sequence[CutCost],
+        current: Sequence[Option | None],
+        kept: Sequence[Option | None],
+        fresh: Sequence[Option | None],
+    ) -> bool:
+        """Whether the fresh plan's gain over R rounds pays for its moves, with margin h."""
+        kept_span = self._span(kept)
+        gain = (kept_span - self._span(fresh)) * self.every
+        cost = sum(
+            _move_seconds(client, cuts, old.cut, new.cut)
+            for client, old, new in zip(clients, current, fresh, strict=True)
+            if old is not None and new is not None and new.cut != old.cut
+        )
+        h = self.hysteresis
+        return gain > (1 + h) * cost and gain > h * kept_span
+
+    def _revert_needless_moves(
+        self,
+        clients: Sequence[ClientState],
+        cuts: Sequence[CutCost],
+        current: Sequence[Option | None],
+        fresh: Sequence[Option | None],
+    ) -> list[Option | None]:
+        """Put moved clients back (costliest move first) where the makespan does not rise."""
+        chosen = list(fresh)
+        limit = self._span(fresh) * (1 + _SPAN_RTOL)
+        moved = sorted(
+            (-_move_seconds(clients[i], cuts, old.cut, new.cut), i, old)
+            for i, (old, new) in enumerate(zip(current, fresh, strict=True))
+            if old is not None and new is not None and new.cut != old.cut
+        )
+        for _, i, old in moved:
+            trial = chosen[:i] + [old] + chosen[i + 1 :]
+            if self._span(trial) <= limit:
+                chosen = trial
+        return chosen
+
+
+def _move_seconds(client: ClientState, cuts: Sequence[CutCost], old: int, new: int) -> float:
+    """Seconds a cut move costs: the stages that change sides over the slower link, one RTT."""
+    link = min(client.uplink_bytes_per_s, client.downlink_bytes_per_s)
+    return move_bytes(cuts, old, new) / link + client.rtt_s
+
+
+class SmartSplitPlanner:
+    """SmartSplit: memory-aware device selection, exact cuts with checkpointing.
+
+    Per round: (a) devices that fit no cut even with checkpointing are
+    excluded; (b) the rest are ranked by ``utility`` (descending; ties: the
+    faster predicted ``T + W``, then input order) and the top
+    ``ceil(pool_factor x m)`` form the pool, where
+    ``m = max(1, round(select_fraction x #clients given))``; (c) the pool is
+    solved exactly with ``select=m`` and checkpointing allowed (it costs
+    recompute FLOPs, so the solver takes it only to fit or to reach a faster cut).
+
+    Parameters
+    ----------
+    select_fraction : float
+        Share of the given clients that train, in (0, 1].
+    pool_factor : float
+        Pool size relative to ``m``, >= 1.
+    selection : str
+        ``"utility"`` as above, or ``"random"``: ``m`` feasible devices drawn
+        at random each round (seeded by ``seed`` and the round), their cuts
+        and checkpointing still solved exactly — the baseline that shows what
+        the utility ranking and the makespan-aware choice buy.
+    seed : int
+        Seed of the random selection.
+    min_cut, forbidden_cuts
+        The privacy floor.
+    shared_trunk : bool
+        The makespan model solved for.
+    """
+
+    def __init__(
+        self,
+        select_fraction: float = 0.5,
+        pool_factor: float = 2.0,
+        *,
+        selection: str = "utility",
+        seed: int = 0,
+        min_cut: int | None = None,
+        forbidden_cuts: Collection[int] = frozenset(),
+        shared_trunk: bool = True,
+    ) -> None:
+        if not 0 < select_fraction <= 1:
+            raise ValueError(f"select_fraction must lie in (0, 1], got {select_fraction}")
+        if pool_factor < 1:
+            raise ValueError(f"pool_factor must be >= 1, got {pool_factor}")
+        if selection not in ("utility", "random"):
+            raise ValueError(f"selection must be 'utility' or 'random', got {selection!r}")
+        self.selection = selection
+        self.seed = seed
+        self.select_fraction = select_fraction
+        self.pool_factor = pool_factor
+        self.min_cut = min_cut
+        self.forbidden_cuts = frozenset(forbidden_cuts)
+        self.shared_trunk = shared_trunk
+
+    def selection_size(self, num_clients: int) -> int:
+        """``m``: how many of ``num_clients`` given clients train (at least one)."""
+        return max(1, round(self.select_fraction * num_clients))
+
+    def plan(
+        self,
+        server_round: int,
+        clients: Sequence[ClientState],
+        cuts: Sequence[CutCost],
+        *,
+        trunk_flops_per_s: float,
+    ) -> Plan:
+        """Select a utility-ranked pool and solve it exactly (see :class:`Planner`)."""
+        options, excluded = candidate_options(
+            clients,
+            cuts,
+            trunk_flops_per_s=trunk_flops_per_s,
+            allow_checkpoint=True,
+            min_cut=self.min_cut,
+            forbidden_cuts=self.forbidden_cuts,
+        )
+        m = self.selection_size(len(clients))
+        if self.selection == "random":
+            feasible = [i for i, opts in enumerate(options) if opts]
+            rng = random.Random(f"{self.seed}/{server_round}")
+            pool = set(rng.sample(feasible, min(m, len(feasible))))
+        else:
+            pool = _utility_pool(clients, options, math.ceil(self.pool_factor * m))
+        for i, opts in enumerate(options):
+            if opts and i not in pool:
+                excluded[clients[i].client] = f"not selected (outside the {self.selection} pool)"
+        in_pool = [opts if i in pool else [] for i, opts in enumerate(options)]
+        chosen = choose_options(in_pool, select=m, shared_trunk=self.shared_trunk)
+        return plan_from_choices(clients, chosen, excluded, shared_trunk=self.shared_trunk)
+
+
+def _utility_pool(
+    clients: Sequence[ClientState], options: Sequence[Sequence[Option]], size: int
+) -> set[int]:
+    """Pick the ``size`` feasible clients of highest utility (ties: faster, then first)."""
+    ranked = sorted(
+        (-clients[i].utility, min(o.client_s + o.trunk_s for o in opts), i)
+        for i, opts in enumerate(options)
+        if opts
+    )
+    return {i for *_, i in ranked[:size]}
+
+
+class OraclePlanner:
+    """Exhaustive search over every assignment (no selection): small fleets only.
+
+    Parameters
+    ----------
+    allow_checkpoint : bool
+        Whether clients may checkpoint.
+    min_cut, forbidden_cuts
+        The privacy floor.
+    shared_trunk : bool
+        The makespan model searched.
+    """
+
+    def __init__(
+        self,
+        *,
+        allow_checkpoint: bool = True,
+        min_cut: int | None = None,
+        forbidden_cuts: Collection[int] = frozenset(),
+        shared_trunk: bool = True,
+    ) -> None:
+        self.allow_checkpoint = allow_checkpoint
+        self.min_cut = min_cut
+        self.forbidden_cuts = frozenset(forbidden_cuts)
+        self.shared_trunk = shared_trunk
+
+    def plan(
+        self,
+        server_round: int,
+        clients: Sequence[ClientState],
+        cuts: Sequence[CutCost],
+        *,
+        trunk_flops_per_s: float,
+    ) -> Plan:
+        """Try every assignment (see :class:`Planner`); ValueError when there are too many."""
+        try:
+            return brute_force(
+                clients,
+                cuts,
+                trunk_flops_per_s=trunk_flops_per_s,
+                allow_checkpoint=self.allow_checkpoint,
+                min_cut=self.min_cut,
+                forbidden_cuts=self.forbidden_cuts,
+                shared_trunk=self.shared_trunk,
+            )
+        except TooManyAssignments as err:
+            raise ValueError(
+                f"planner 'oracle' cannot plan {len(clients)} clients x {len(cuts)} cuts: {err}"
+            ) from err
+
+
+class RotatePlanner:
+    """Diagnostic: client ``k`` takes ``cuts[(k + round) % len(cuts)]``, no checkpointing.
+
+    Cuts then differ within a round and move every round, which exercises the
+    per-client machinery; it is not meant to be fast. ``k`` is the client's
+    rank by id (numerically for Flower node ids), so ``len(cuts)`` clients get
+    ``len(cuts)`` different cuts. ``cuts`` are the allowed ones in increasing
+    order; a client its cut does not fit is excluded.
+    """
+
+    def __init__(
+        self,
+        *,
+        min_cut: int | None = None,
+        forbidden_cuts: Collection[int] = frozenset(),
+        shared_trunk: bool = True,
+    ) -> None:
+        self.min_cut = min_cut
+        self.forbidden_cuts = frozenset(forbidden_cuts)
+        self.shared_trunk = shared_trunk
+
+    def plan(
+        self,
+        server_round: int,
+        clients: Sequence[ClientState],
+        cuts: Sequence[CutCost],
+        *,
+        trunk_flops_per_s: float,
+    ) -> Plan:
+        """Give each client the next cut in turn (see :class:`Planner`)."""
+        allowed = sorted(
+            allowed_cuts(cuts, min_cut=self.min_cut, forbidden_cuts=self.forbidden_cuts),
+            key=lambda c: c.cut,
+        )
+        chosen: list[Option | None] = []
+        excluded: dict[str, str] = {}
+        rank = {c.client: k for k, c in enumerate(sorted(clients, key=_id_order))}
+        for client in clients:
+            turn = [allowed[(rank[client.client] + server_round) % len(allowed)]]
+            opts = client_options(
+                client, turn, trunk_flops_per_s=trunk_flops_per_s, allow_checkpoint=False
+            )
+            if not opts:
+                excluded[client.client] = memory_reason(client, turn, allow_checkpoint=False)
+            chosen.append(opts[0] if opts else None)
+        return plan_from_choices(clients, chosen, excluded, shared_trunk=self.shared_trunk)
+
+
+PLANNERS: dict[str, type] = {
+    "uniform": UniformPlanner,
+    "greedy": GreedyPlanner,
+    "dynsl": DynSLPlanner,
+    "smartsplit": SmartSplitPlanner,
+    "oracle": OraclePlanner,
+    "rotate": RotatePlanner,
+}
+
+
+def make_planner(name: str, **options: Any) -> Planner:
+    """Build the planner called ``name`` with its constructor's ``options``.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not one of :data:`PLANNERS`, an option is not one the
+        planner takes, or a required one is missing (the message lists them).
+    """
+    if name not in PLANNERS:
+        raise ValueError(f"unknown planner {name!r}; accepted: {sorted(PLANNERS)}")
+    cls = PLANNERS[name]
+    parameters = inspect.signature(cls).parameters
+    unknown = sorted(set(options) - set(parameters))
+    if unknown:
+        raise ValueError(
+            f"planner {name!r} takes no options {unknown}; accepted: {list(parameters)}"
+        )
+    missing = [
+        p for p, spec in parameters.items() if spec.default is spec.empty and p not in options
+    ]
+    if missing:
+        raise ValueError(f"planner {name!r} needs options {missing}")
+    planner: Planner = cls(**options)
+    return planner
+
+
+def _id_order(client: ClientState) -> tuple[int, int | str]:
+    """Sort key of client ids: integers (Flower node ids) numerically, then the rest."""
+    text = client.client
+    return (0, int(text)) if text.lstrip("-").isdigit() else (1, text)

@@ -1,0 +1,175 @@
+"""Adaptive splits on the server: measurements in, each round's clients and cuts out.
+
+The planner (:mod:`splitlearn.planning`) is pure arithmetic; this is what feeds
+it. After every training round each reply's metrics (compute, bytes and the
+virtual seconds they took, memory budget, loss, label coverage) are smoothed
+into a :class:`~splitlearn.planning.cost.ClientState` per node, and the trunk's
+speed is measured from its busy time. Before the next round the planner gets
+the sampled nodes' states and the model's cut table and says who trains, at
+which cut, and whether it checkpoints. A node never measured yet is planned as
+a prior device (``planner.prior_*``: a median phone on a median mobile link),
+so no device figure is needed up front: real devices and emulated ones are
+planned the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from flwr.app import Message
+
+from splitlearn.config import PlannerConfig
+from splitlearn.planning.cost import Assignment, ClientState, CutCost, Plan
+from splitlearn.planning.devices import MBIT
+from splitlearn.planning.monitor import ClientMonitor
+from splitlearn.planning.planners import Planner, make_planner, privacy_floor
+from strategies.reporting import reply_metrics, reply_status
+
+log = logging.getLogger(__name__)
+
+#: What an unmeasured memory budget is taken to be: no limit.
+UNLIMITED = float("inf")
+#: Batches per epoch an unmeasured client is assumed to hold (a nominal figure: its data
+#: size is its own; the first reply measures it).
+PRIOR_BATCHES_PER_EPOCH = 8
+
+
+def prior_state(cfg: PlannerConfig, *, batch_size: int, epochs: int) -> ClientState:
+    """Return what the planner assumes of a device it has not measured (``planner.prior_*``)."""
+    batches = PRIOR_BATCHES_PER_EPOCH * epochs
+    return ClientState(
+        "prior", flops_per_s=cfg.prior_flops_per_s,
+        uplink_bytes_per_s=cfg.prior_uplink_mbps * MBIT,
+        downlink_bytes_per_s=cfg.prior_downlink_mbps * MBIT, rtt_s=cfg.prior_rtt_s,
+        memory_bytes=UNLIMITED, samples=batches * batch_size, batches=batches,
+    )
+
+
+def build_planner(cfg: PlannerConfig, cuts: Sequence[CutCost], *, shared_trunk: bool,
+                  seed: int = 0) -> Planner:
+    """Build the configured planner, with the privacy floor from the measured leak table."""
+    floor = privacy_floor(cuts, cfg.max_leak) if cfg.max_leak is not None else frozenset()
+    common: dict[str, Any] = {"forbidden_cuts": floor, "shared_trunk": shared_trunk}
+    options: dict[str, dict[str, Any]] = {
+        "greedy": {},
+        "dynsl": {"every": cfg.every, "hysteresis": cfg.hysteresis},
+        "smartsplit": {"select_fraction": cfg.select_fraction, "pool_factor": cfg.pool_factor,
+                       "selection": cfg.selection, "seed": seed},
+        "oracle": {"allow_checkpoint": cfg.checkpointing},
+        "rotate": {},
+    }
+    return make_planner(cfg.name, **options[cfg.name], **common)
+
+
+class CutPlanning:
+    """Plans each round from what the previous rounds measured.
+
+    Parameters
+    ----------
+    planner : Planner
+        Decides the round.
+    costs : Sequence[CutCost]
+        The cuts a client may get, with their costs at the run's batch size.
+    prior : ClientState
+        What a node nobody has measured yet is taken to be (its memory is
+        unknown, so unlimited: a device that cannot fit its cut declines and
+        reports its budget, which the next plan follows).
+    trunk_busy_s : Callable[[], float]
+        The trunk's busy seconds so far (its speed is measured from them).
+    trunk_flops_per_s : float
+        The trunk's speed until it is measured.
+    smoothing : float
+        Weight of the newest measurement in the running estimates.
+    """
+
+    def __init__(
+        self, *, planner: Planner, costs: Sequence[CutCost], prior: ClientState,
+        trunk_busy_s: Callable[[], float], trunk_flops_per_s: float, smoothing: float = 0.5,
+    ) -> None:
+        self.planner = planner
+        self.costs = {c.cut: c for c in costs}
+        self.prior = prior
+        self.trunk_busy_s = trunk_busy_s
+        self.trunk_flops_per_s = trunk_flops_per_s
+        self.monitor = ClientMonitor(alpha=smoothing)
+        self.plans: dict[int, Plan] = {}  # by server round, for the reports
+        self._planned_rounds = 0
+        self._busy_seen = trunk_busy_s()
+        self._given: dict[str, int] = {}  # the cut the planner last gave each client
+
+    @property
+    def max_cut(self) -> int:
+        """The deepest cut a client may get (the global arrays hold the stages below it)."""
+        return max(self.costs)
+
+    def assign(self, server_round: int, nodes: Sequence[int]) -> dict[int, Assignment]:
+        """Ask the planner who of ``nodes`` trains, at which cut, checkpointing or not."""
+        self._planned_rounds += 1  # DynSL counts its re-plans from the first plan
+        plan = self.planner.plan(
+            self._planned_rounds, [self.state(str(n)) for n in nodes],
+            list(self.costs.values()), trunk_flops_per_s=self.trunk_flops_per_s,
+        )
+        self.plans[server_round] = plan
+        if plan.excluded:
+            log.info("round %d: planner left out %s", server_round, plan.excluded)
+        self._given |= {a.client: a.cut for a in plan.assignments}
+        by_client = {a.client: a for a in plan.assignments}
+        return {n: by_client[str(n)] for n in nodes if str(n) in by_client}
+
+    def state(self, client: str) -> ClientState:
+        """Return the planner's view of ``client``: what was measured, over the prior.
+
+        Its current cut is the one the planner last gave it (None before its
+        first plan), which is what moving away from costs.
+        """
+        state = self.monitor.state(client, self.prior)
+        return replace(state, current_cut=self._given.get(client))
+
+    def observe(self, server_round: int, replies: Sequence[Message], *,
+                deadline_s: float | None) -> None:
+        """Fold the round's replies into the estimates; measure the trunk's speed."""
+        trunk_flops = 0.0
+        for reply in replies:
+            status = reply_status(reply, deadline_s=deadline_s)
+            if reply.has_error():
+                continue
+            metrics = reply_metrics(reply)
+            client = str(reply.metadata.src_node_id)
+            if status == "memory" and "memory-budget" in metrics:
+                self.monitor.observe_memory(client, float(metrics["memory-budget"]))
+            if status in ("ok", "straggler"):
+                trunk_flops += self._observe_trained(client, metrics)
+        self._measure_trunk(trunk_flops)
+
+    def _observe_trained(self, client: str, metrics: Any) -> float:
+        """Fold one trained client's metrics in; return the trunk FLOPs it caused."""
+        cost = self.costs[int(metrics["cut"])]  # a cut the planner gave
+        samples = int(metrics["num-examples"])
+        recompute = cost.recompute_flops_per_sample if metrics.get("checkpoint") else 0.0
+        self.monitor.observe(
+            client, flops=samples * (cost.client_flops_per_sample + recompute),
+            compute_s=_positive(metrics.get("virtual-compute-s")),
+            bytes_up=float(metrics["bytes-up"]),
+            upload_s=_positive(metrics.get("virtual-upload-s")),
+            bytes_down=float(metrics["bytes-down"]),
+            download_s=_positive(metrics.get("virtual-download-s")),
+            exchanges=int(metrics["steps"]), latency_s=_positive(metrics.get("virtual-latency-s")),
+            memory_bytes=_positive(metrics.get("memory-budget")), samples=samples,
+            batches=int(metrics["steps"]), loss=float(metrics["train-loss"]),
+            label_coverage=float(metrics.get("label-coverage", 1.0)), cut=cost.cut,
+        )
+        return samples * cost.server_flops_per_sample
+
+    def _measure_trunk(self, flops: float) -> None:
+        busy = self.trunk_busy_s()
+        seconds, self._busy_seen = busy - self._busy_seen, busy
+        if flops > 0 and seconds > 0:
+            self.trunk_flops_per_s = flops / seconds
+
+
+def _positive(value: Any) -> float | None:
+    """Return a measured duration or amount, or None when there is none (0: not measured)."""
+    return float(value) if value is not None and float(value) > 0 else None

@@ -1,0 +1,60 @@
+"""Per-client cuts through Flower's Simulation Engine: merges, moves and planners end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.integration.test_simulation import read_clients, run_experiment
+
+SMALL = ("strategy.num_rounds=2", "num_clients=3", "logger=none")
+#: Client k (by node id) takes cuts[(k + round) % 3]: cuts differ in a round and move.
+ROTATING = ("planner=rotate", "planner.cuts=[1,2,3]")
+
+
+def rounds_of(run_dir):
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_splitfed_v1_with_different_and_moving_cuts_is_fedavg_of_the_whole_model(tmp_path):
+    """A trunk copy per client: each client trains every stage once, split between its
+    two copies, and every stage is averaged by samples, so the cuts cannot matter."""
+    three = ("strategy.num_rounds=3", *SMALL[1:])
+    v1_dir = run_experiment(tmp_path / "v1", "strategy=splitfed_v1", *ROTATING, *three)
+    fedavg_dir = run_experiment(tmp_path / "fedavg", "strategy=fedavg", *three)
+    fedavg = {"rounds": rounds_of(fedavg_dir), "model": torch.load(fedavg_dir / "model.pt")}
+    for a, b in zip(rounds_of(v1_dir), fedavg["rounds"], strict=True):
+        assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-4, abs=1e-5)
+    # The same weights up to float32 rounding, which early training amplifies: measured
+    # 2.7e-4 after 3 rounds (uniform v1 drifts as far). Merges gone wrong, measured:
+    # copies weighted equally instead of by samples 2.3e-3, trunk copies left out 5.5e-2.
+    v1_model = torch.load(v1_dir / "model.pt")
+    assert max((v1_model[k] - t).abs().max().item() for k, t in fedavg["model"].items()) < 1e-3
+    cuts = cuts_by_round(read_clients(v1_dir))
+    assert all(set(cuts[r].values()) == {1, 2, 3} for r in ("1", "2", "3"))
+    assert all(cuts["1"][c] != cuts["2"][c] != cuts["3"][c] for c in cuts["1"])  # all moved
+
+
+def cuts_by_round(rows) -> dict[str, dict[str, int]]:
+    cuts: dict[str, dict[str, int]] = {}
+    for r in rows:
+        cuts.setdefault(r["round"], {})[r["client"]] = int(float(r["cut"]))
+    return cuts
+
+
+def test_splitfed_v2_with_moving_cuts_trains_and_charges_the_weights_it_moves(tmp_path):
+    run_dir = run_experiment(tmp_path, "strategy=splitfed_v2", *ROTATING, *SMALL)
+    rounds = rounds_of(run_dir)
+    assert rounds[2]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.1
+    rows = [r for r in read_clients(run_dir) if r["status"] == "ok"]
+    assert len(rows) == 6
+    by_cut = {}
+    for r in rows:
+        down = int(float(r["weights_bytes_down"]))
+        assert down == int(float(r["weights_bytes_up"])) > 0
+        by_cut.setdefault(int(float(r["cut"])), set()).add(down)
+    # A deeper cut receives (and returns) more stages: moving a cut moves weights.
+    sizes = [next(iter(by_cut[c])) for c in sorted(by_cut)]
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)

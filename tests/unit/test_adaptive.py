@@ -1,0 +1,171 @@
+"""Adaptive splits on the server side: planning rounds, slicing arrays, learning from replies."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from hydra.errors import ConfigCompositionException
+
+from protocols import check_config, compose_config
+from server.sessions.split import SharedTrunk, SplitSession
+from server.trunk import Trunk
+from splitlearn.calibration import cut_costs
+from splitlearn.config import DataPlaneConfig, PlannerConfig, RunSpec, TraceEventConfig
+from splitlearn.dataplane import TokenRegistry
+from splitlearn.planning.devices import DeviceProfile, apply_traces
+from splitlearn.planning.planners import RotatePlanner, SmartSplitPlanner
+from splitlearn.split import bottom_state
+from splitlearn.wire import record_to_state, state_to_record
+from strategies.adaptive import CutPlanning, prior_state
+from strategies.reporting import ROUND_KEY, STATUS_KEY
+from strategies.splitfed import DataPlaneAccess, SplitFed, SplitFedV2Options
+from tests.conftest import digits_like_model
+from tests.helpers import ScriptedGrid
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+
+def trained_reply(message: Message, *, samples: int = 32, compute_s: float = 1.0,
+                  budget: float = 1e9) -> Message:
+    """A client that trained at its cut and returns the weights it got, with its metrics."""
+    data = message.content[ROUND_KEY]
+    metrics = MetricRecord({
+        "num-examples": samples, "steps": 4, "cut": int(data["cut"]),
+        "checkpoint": int(bool(data["checkpoint"])), "partition-id": message.metadata.dst_node_id,
+        "virtual-compute-s": compute_s, "bytes-up": 1000, "virtual-upload-s": 0.1,
+        "bytes-down": 1000, "virtual-download-s": 0.05, "virtual-latency-s": 0.04,
+        "memory-budget": budget, "train-loss": 1.0, "label-coverage": 1.0,
+    })
+    arrays = message.content["arrays"]
+    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=message)
+
+
+def declined_for_memory(message: Message, budget: int) -> Message:
+    content = RecordDict({
+        STATUS_KEY: ConfigRecord({"status": "memory", "reason": "does not fit"}),
+        "metrics": MetricRecord({"partition-id": 0, "memory-budget": budget}),
+    })
+    return Message(content, reply_to=message)
+
+
+def make_splitfed(planner, *, model=None):
+    model = model or digits_like_model()
+    trunk = Trunk(copy.deepcopy(model), lr=0.05)
+    costs = cut_costs(model, batch_size=8)
+    planning = CutPlanning(planner=planner, costs=costs, prior=prior_state(
+        PlannerConfig(name="greedy"), batch_size=8, epochs=1),
+        trunk_busy_s=lambda: trunk.busy_s, trunk_flops_per_s=1e9)
+    strategy = SplitFed(
+        protocol="splitfed_v2", spec=RunSpec(strategy=SplitFedV2Options()),
+        dataplane=DataPlaneAccess(TokenRegistry(), "127.0.0.1:1", 60.0),
+        trunk=SplitSession(SharedTrunk(trunk), limits=DataPlaneConfig()), planning=planning,
+        min_available_nodes=1, min_train_nodes=1,
+    )
+    return strategy, model, trunk, planning
+
+
+def test_each_client_gets_the_stages_below_its_planned_cut_and_the_merge_covers_them():
+    strategy, model, trunk, planning = make_splitfed(RotatePlanner())
+    granted: dict[int, int] = {}  # node -> cut its session token grants (while it is valid)
+
+    def answer(message: Message) -> Message:
+        grant = strategy.dataplane.tokens.lookup(str(message.content[ROUND_KEY]["token"]))
+        granted[message.metadata.dst_node_id] = grant.cut
+        return trained_reply(message)
+
+    grid = ScriptedGrid([11, 12, 13], answer)
+    start = state_to_record(bottom_state(model, planning.max_cut))
+    strategy.start(grid=grid, initial_arrays=start, num_rounds=2)
+    first, second = grid.train_calls()
+    # Ranks 0-2 by node id rotate over cuts 1-4, round by round; stages sliced to match.
+    for call, expected in ((first, {11: 2, 12: 3, 13: 4}), (second, {11: 3, 12: 4, 13: 1})):
+        cuts = {m.metadata.dst_node_id: int(m.content[ROUND_KEY]["cut"]) for m in call}
+        assert cuts == expected
+        for message in call:
+            stages = {int(k.split(".")[0]) for k in message.content["arrays"]}
+            assert stages == set(range(cuts[message.metadata.dst_node_id]))
+            assert message.content[ROUND_KEY]["checkpoint"] is False
+    # The session token grants the planned cut, so the trunk checks frames against it.
+    assert granted == cuts
+
+
+def test_the_planner_learns_budgets_from_declines_and_the_trunk_speed_from_its_books():
+    planner = SmartSplitPlanner(select_fraction=1.0, pool_factor=1.0)
+    strategy, model, trunk, planning = make_splitfed(planner)
+    costs = {c.cut: c for c in cut_costs(model, batch_size=8)}
+    budget = costs[1].memory_bytes  # fits cut 1 plainly, nothing deeper without checkpointing
+    request = Message(RecordDict({ROUND_KEY: ConfigRecord({"cut": 1, "checkpoint": False})}),
+                      dst_node_id=5, message_type="train.splitfed_v2")
+    ok = Message(RecordDict({ROUND_KEY: ConfigRecord({"cut": 1, "checkpoint": False}),
+                             "arrays": ArrayRecord()}),
+                 dst_node_id=6, message_type="train.splitfed_v2")
+    trunk.busy_s += 2.0  # the trunk worked 2 s for the round
+    planning.observe(1, [declined_for_memory(request, budget), trained_reply(ok, samples=40)],
+                     deadline_s=None)
+    assert planning.state("5").memory_bytes == budget
+    assert planning.trunk_flops_per_s == pytest.approx(40 * costs[1].server_flops_per_sample / 2)
+    assigned = planning.assign(2, [5, 6])
+    assert assigned[5].cut == 1 or assigned[5].checkpoint  # never a plan that cannot fit
+    fits = costs[assigned[5].cut].checkpointed_memory_bytes if assigned[5].checkpoint else \
+        costs[assigned[5].cut].memory_bytes
+    assert fits <= budget
+
+
+def test_traces_change_devices_from_their_round_on():
+    phone = DeviceProfile("phone", flops_per_s=1e10, memory_bytes=1 << 30, uplink_mbps=20.0,
+                          downlink_mbps=100.0, rtt_s=0.02)
+    traces = [
+        TraceEventConfig(from_round=3, profiles=["phone"], flops_scale=0.5),
+        TraceEventConfig(from_round=5, partitions=[7], uplink_mbps=2.0, rtt_s=0.1,
+                         memory_scale=0.25),
+    ]
+    assert apply_traces(phone, traces, partition_id=7, server_round=2) == phone
+    throttled = apply_traces(phone, traces, partition_id=7, server_round=3)
+    assert throttled.flops_per_s == 5e9 and throttled.uplink_mbps == 20.0
+    late = apply_traces(phone, traces, partition_id=7, server_round=9)
+    assert (late.flops_per_s, late.uplink_mbps, late.downlink_mbps, late.rtt_s) == (
+        5e9, 2.0, 100.0, 0.1)
+    assert late.memory_bytes == 1 << 28
+    other = apply_traces(phone, traces, partition_id=1, server_round=9)
+    assert other.uplink_mbps == 20.0 and other.flops_per_s == 5e9
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["planner=dynsl", "strategy=ushaped"], "strategy=ushaped needs one cut for all"),
+    (["planner=greedy", "privacy=activation_gaussian", "privacy.noise_multiplier=1.0"],
+     "activation noise is calibrated at one cut"),
+    (["planner=dynsl", "planner.cuts=[1,9]"], "planner.cuts: invalid cut 9"),
+    (["planner=dynsl", "+planner.leak={7: 0.5}"], "planner.leak names cuts [7]"),
+])
+def test_planners_the_run_cannot_follow_are_refused_before_anything_starts(overrides, message):
+    with pytest.raises(ValueError) as err:
+        check_config(compose_config(overrides))
+    assert message in str(err.value)
+
+
+def test_planner_settings_are_typed_and_checked_at_composition():
+    with pytest.raises(ConfigCompositionException, match="planner.evry"):
+        compose_config(["planner=dynsl", "planner.evry=3"])
+    with pytest.raises(ValueError, match="planner.name='fastest'"):
+        PlannerConfig(name="fastest")
+    with pytest.raises(ValueError, match="planner.select_fraction"):
+        PlannerConfig(name="smartsplit", select_fraction=0.0)
+    cfg = compose_config(["+scenario=dynamic", "planner=smartsplit"])
+    assert cfg.planner.name == "smartsplit" and len(cfg.devices.traces) == 3
+    check_config(cfg)
+
+
+def test_global_arrays_after_a_round_hold_every_cut_a_client_may_get():
+    strategy, model, trunk, planning = make_splitfed(RotatePlanner())
+    grid = ScriptedGrid([11, 12], trained_reply)
+    start = state_to_record(bottom_state(model, planning.max_cut))
+    result = strategy.start(grid=grid, initial_arrays=start, num_rounds=2)
+    final = record_to_state(result.arrays)
+    assert final.keys() == bottom_state(model, planning.max_cut).keys()
+    # Clients returned what they got, so the trunk's merged stages match the arrays.
+    merged = trunk.stage_state()
+    for key, value in final.items():
+        np.testing.assert_allclose(value.numpy(), merged[key].numpy(), atol=1e-6)

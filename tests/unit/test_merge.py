@@ -1,0 +1,126 @@
+"""The per-stage merge of a round: client copies and trunk copies, weighted by samples."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from flwr.app import MetricRecord, RecordDict
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+from torch import Tensor
+
+from server.sessions.merge import client_copy, merge_stages, stage_of, trunk_copy
+from server.sessions.split import SharedTrunk, SplitSession, TrunkPerClient, train_on_batch
+from server.trunk import Trunk
+from splitlearn.config import DataPlaneConfig
+from splitlearn.split import bottom_state
+from splitlearn.wire import record_to_state, state_to_record
+from tests.conftest import digits_like_model, fixed_batches
+
+LR = 0.1
+LIMITS = DataPlaneConfig()
+
+
+def acts_at(model, cut: int, seed: int, batch: int) -> tuple[Tensor, Tensor]:
+    x, y = fixed_batches(1, batch=batch, seed=seed)[0]
+    with torch.no_grad():
+        for stage in model.stages[:cut]:
+            x = stage(x)
+    return x, y
+
+
+def client_state(model, cut: int, seed: int) -> dict[str, Tensor]:
+    """What a client would send back: the global stages below its cut, moved a little."""
+    generator = torch.Generator().manual_seed(seed)
+    return {k: v + 0.01 * torch.randn(v.shape, generator=generator)
+            for k, v in bottom_state(model, cut).items()}
+
+
+def reference_merge(copies: list[tuple[dict[str, Tensor], dict[int, int]]]) -> dict[str, Tensor]:
+    """Slow and obvious: per key, sum weight x tensor over the copies holding its stage."""
+    keys = sorted({k for state, samples in copies for k in state if samples.get(stage_of(k))})
+    merged = {}
+    for key in keys:
+        holders = [(s[key], n[stage_of(key)]) for s, n in copies if n.get(stage_of(key))]
+        total = sum(w for _, w in holders)
+        merged[key] = sum(t.double() * (w / total) for t, w in holders).float()
+    return merged
+
+
+def test_equal_cuts_reduce_to_splitfed_v2_fedavg_on_clients_and_the_trunk_untouched():
+    model = digits_like_model()
+    cut = 2
+    trunk = Trunk(copy.deepcopy(model), lr=LR)
+    session = SplitSession(SharedTrunk(trunk), limits=LIMITS)
+    for seed, batch in ((1, 8), (2, 24)):
+        train_on_batch(trunk, cut, *acts_at(model, cut, seed, batch))
+    trained = trunk.stage_state()
+    updates = [(client_state(model, cut, 10), 8), (client_state(model, cut, 11), 24)]
+    merged = session.merge_round(updates, upto=cut)
+    # Flower's FedAvg of the client sides, as SplitFed v2 averaged them before.
+    replies = [RecordDict({"arrays": state_to_record(s), "metrics": MetricRecord(
+        {"num-examples": n})}) for s, n in updates]
+    fedavg = record_to_state(aggregate_arrayrecords(replies, "num-examples"))
+    assert merged.keys() == fedavg.keys()
+    for key, value in fedavg.items():
+        assert torch.equal(merged[key], value), key  # the same arithmetic, to the bit
+    after = trunk.stage_state()
+    for key, value in trained.items():
+        if stage_of(key) >= cut:  # the trunk's stages: exactly as it trained them
+            assert torch.equal(after[key], value), key
+        else:  # the client stages, now the same on both sides
+            assert torch.equal(after[key], merged[key]), key
+
+
+def test_different_cuts_on_a_shared_trunk_merge_each_stage_over_its_copies():
+    model = digits_like_model()
+    trunk = Trunk(copy.deepcopy(model), lr=LR)
+    session = SplitSession(SharedTrunk(trunk), limits=LIMITS)
+    # Client a holds cut 1 (8 samples), b cut 3 (24): the trunk trains stage 1-2 for
+    # a alone and stages 3+ for both.
+    train_on_batch(trunk, 1, *acts_at(model, 1, 1, 8))
+    train_on_batch(trunk, 3, *acts_at(model, 3, 2, 24))
+    assert trunk.stage_samples == [0, 8, 8, 32, 32]
+    a, b = client_state(model, 1, 10), client_state(model, 3, 11)
+    trunk_state = trunk.stage_state()
+    expected = reference_merge([
+        (a, {0: 8}), (b, {0: 24, 1: 24, 2: 24}), (trunk_state, {1: 8, 2: 8, 3: 32, 4: 32}),
+    ])
+    merged = session.merge_round([(a, 8), (b, 24)], upto=3)
+    assert merged.keys() == set(bottom_state(model, 3))  # the global arrays: stages 0-2
+    for key, value in merged.items():
+        assert torch.allclose(value, expected[key], atol=1e-7), key
+    after = trunk.stage_state()
+    for key, value in expected.items():  # the trunk took every merged stage
+        assert torch.allclose(after[key], value, atol=1e-7), key
+    assert trunk.stage_samples == [0] * 5  # the books start again next round
+
+
+def test_a_trunk_copy_per_client_with_any_cuts_averages_every_stage_once_per_client():
+    model = digits_like_model()
+    pool = TrunkPerClient(Trunk(copy.deepcopy(model), lr=LR))
+    session = SplitSession(pool, limits=LIMITS)
+    batches = {"a": (1, 8), "b": (3, 24), "gone": (2, 8)}
+    for client, (cut, batch) in batches.items():
+        train_on_batch(pool.trunk_for(client), cut, *acts_at(model, cut, len(client), batch))
+    copies = {c: pool.trunk_for(c).stage_state() for c in ("a", "b")}
+    session.finish_round(["a", "b"])  # "gone" did not finish
+    a, b = client_state(model, 1, 10), client_state(model, 3, 11)
+    merged = session.merge_round([(a, 8), (b, 24)], upto=3)
+    # Each client's two copies together hold every stage once, trained on its samples.
+    whole = {c: {**copies[c], **s} for c, s in (("a", a), ("b", b))}
+    for key in model.stages.state_dict():
+        expected = whole["a"][key].double() * 0.25 + whole["b"][key].double() * 0.75
+        assert torch.allclose(pool.trunk.stage_state()[key].double(), expected, atol=1e-6), key
+    assert merged.keys() == set(bottom_state(model, 3))
+    assert (pool.trunk.steps, pool.trunk.samples) == (2, 32)
+
+
+def test_merge_keeps_dtypes_and_a_lone_copy_bit_for_bit():
+    state = {"0.weight": torch.randn(3), "0.num_batches_tracked": torch.tensor(7)}
+    other = {"0.weight": torch.randn(3), "0.num_batches_tracked": torch.tensor(10)}
+    merged = merge_stages([client_copy(state, 1), client_copy(other, 2)])
+    assert merged["0.num_batches_tracked"].dtype == torch.int64
+    assert int(merged["0.num_batches_tracked"]) == 9  # (7 + 2 x 10) / 3, rounded
+    alone = merge_stages([client_copy(state, 5), trunk_copy(other, [0])])
+    assert torch.equal(alone["0.weight"], state["0.weight"])

@@ -1,0 +1,468 @@
+"""The planners' behaviour on crafted fleets, the privacy floor and the monitor's arithmetic."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from splitlearn.planning.cost import ClientState, CutCost
+from splitlearn.planning.monitor import ClientMonitor
+from splitlearn.planning.planners import (
+    PLANNERS,
+    DynSLPlanner,
+    GreedyPlanner,
+    OraclePlanner,
+    RotatePlanner,
+    SmartSplitPlanner,
+    UniformPlanner,
+    make_planner,
+    privacy_floor,
+)
+from splitlearn.planning.solve import random_instance, solve
+
+
+def cut_cost(
+    cut: int,
+    *,
+    client_flops: float,
+    server_flops: float,
+    memory: int = 0,
+    checkpointed_memory: int | None = None,
+    recompute_flops: float = 0.0,
+    params: int = 0,
+    leak: float | None = None,
+) -> CutCost:
+    return CutCost(
+        cut=cut,
+        client_flops_per_sample=client_flops,
+        recompute_flops_per_sample=recompute_flops,
+        server_flops_per_sample=server_flops,
+        smashed_bytes_per_sample=0,
+        client_param_bytes=params,
+        memory_bytes=memory,
+        checkpointed_memory_bytes=memory if checkpointed_memory is None else checkpointed_memory,
+        leak=leak,
+    )
+
+
+def client_state(
+    name: str,
+    *,
+    flops: float = 1.0,
+    memory: float = math.inf,
+    link: float = 1.0,
+    utility: float = 1.0,
+    current_cut: int | None = None,
+) -> ClientState:
+    # One sample, one batch, no latency: T = FLOPs / speed + 2 x weights / link.
+    return ClientState(
+        client=name,
+        flops_per_s=flops,
+        uplink_bytes_per_s=link,
+        downlink_bytes_per_s=link,
+        rtt_s=0.0,
+        memory_bytes=memory,
+        samples=1,
+        batches=1,
+        utility=utility,
+        current_cut=current_cut,
+    )
+
+
+def cuts_of(plan) -> dict[str, int]:
+    return {a.client: a.cut for a in plan.assignments}
+
+
+# --- uniform -------------------------------------------------------------------
+
+
+def test_uniform_puts_everyone_at_its_cut_and_excludes_what_does_not_fit() -> None:
+    cuts = [cut_cost(c, client_flops=c, server_flops=5 - c, memory=100 * c) for c in (1, 2, 3)]
+    clients = [client_state("big", memory=1000), client_state("small", memory=150)]
+    plan = UniformPlanner(2).plan(1, clients, cuts, trunk_flops_per_s=1.0)
+    assert cuts_of(plan) == {"big": 2}
+    assert not plan.assignments[0].checkpoint
+    assert "needs at least 200 bytes" in plan.excluded["small"]
+    assert "budget 150 bytes" in plan.excluded["small"]
+
+
+def test_uniform_refuses_a_forbidden_or_unknown_cut() -> None:
+    with pytest.raises(ValueError, match="privacy floor"):
+        UniformPlanner(1, forbidden_cuts={1})
+    with pytest.raises(ValueError, match="privacy floor"):
+        UniformPlanner(1, min_cut=2)
+    cuts = [cut_cost(1, client_flops=1, server_flops=1)]
+    with pytest.raises(ValueError, match=r"uniform cut 4 is not one of \[1\]"):
+        UniformPlanner(4).plan(1, [client_state("a")], cuts, trunk_flops_per_s=1.0)
+
+
+# --- greedy --------------------------------------------------------------------
+
+# Alone, cut 1 is faster (1 + 2 < 4 + 0.5); four clients on one trunk make cut 2 better.
+SERIALISING_CUTS = [
+    cut_cost(1, client_flops=1, server_flops=2),
+    cut_cost(2, client_flops=4, server_flops=0.5),
+]
+
+
+def test_greedy_ignores_that_the_trunk_serialises() -> None:
+    clients = [client_state(f"c{i}") for i in range(4)]
+    greedy = GreedyPlanner().plan(1, clients, SERIALISING_CUTS, trunk_flops_per_s=1.0)
+    exact = solve(clients, SERIALISING_CUTS, trunk_flops_per_s=1.0, allow_checkpoint=False)
+    assert set(cuts_of(greedy).values()) == {1}
+    assert greedy.makespan_s == pytest.approx(1 + 4 * 2)
+    assert exact.makespan_s == pytest.approx(4 + 4 * 0.5)
+
+
+def test_greedy_never_checkpoints() -> None:
+    cuts = [cut_cost(1, client_flops=1, server_flops=1, memory=100, checkpointed_memory=10)]
+    plan = GreedyPlanner().plan(1, [client_state("a", memory=50)], cuts, trunk_flops_per_s=1.0)
+    assert plan.assignments == () and "memory" in plan.excluded["a"]
+
+
+# --- DynSL ---------------------------------------------------------------------
+
+
+def moving_cuts(*, shallow_trunk: float, deep_trunk: float, deep_params: int) -> list[CutCost]:
+    """Cut 1 keeps the trunk busy; cut 2 relieves it but moves ``deep_params`` bytes."""
+    return [
+        cut_cost(1, client_flops=1, server_flops=shallow_trunk),
+        cut_cost(2, client_flops=2, server_flops=deep_trunk, params=deep_params),
+    ]
+
+
+def test_dynsl_moves_when_the_gain_over_r_rounds_pays_for_the_move() -> None:
+    # Kept: 1 + 9 = 10 s. New: 2 + 2 x 2.5 (weights) + 1 = 8 s. Moving costs 2.5 s.
+    cuts = moving_cuts(shallow_trunk=9, deep_trunk=1, deep_params=5)
+    client = [client_state("a", link=2.0, current_cut=1)]
+    # Over 1 round the 2 s gain does not clear 1.1 x 2.5 s; over 10 rounds it does.
+    once = DynSLPlanner(every=1, hysteresis=0.1).plan(1, client, cuts, trunk_flops_per_s=1.0)
+    often = DynSLPlanner(every=10, hysteresis=0.1).plan(1, client, cuts, trunk_flops_per_s=1.0)
+    assert cuts_of(once) == {"a": 1} and once.makespan_s == pytest.approx(10)
+    assert cuts_of(often) == {"a": 2} and often.makespan_s == pytest.approx(8)
+
+
+def test_dynsl_does_not_move_for_a_tiny_gain() -> None:
+    # Kept: 1 + 3 = 4 s; new: 2 + 1.99 + 0.002 = 3.992 s. Cheap to move, but under h x 4 s.
+    cuts = moving_cuts(shallow_trunk=3, deep_trunk=1.99, deep_params=1)
+    client = [client_state("a", link=1000.0, current_cut=1)]
+    planner = DynSLPlanner(every=1, hysteresis=0.1)
+    assert cuts_of(planner.plan(1, client, cuts, trunk_flops_per_s=1.0)) == {"a": 1}
+    bold = DynSLPlanner(every=1, hysteresis=0.0)
+    assert cuts_of(bold.plan(1, client, cuts, trunk_flops_per_s=1.0)) == {"a": 2}
+
+
+def test_dynsl_keeps_cuts_between_replans() -> None:
+    planner = DynSLPlanner(every=3, hysteresis=0.0)
+    deep = moving_cuts(shallow_trunk=9, deep_trunk=1, deep_params=0)
+    shallow = moving_cuts(shallow_trunk=1, deep_trunk=9, deep_params=0)
+    clients = [client_state("a")]
+    assert cuts_of(planner.plan(1, clients, deep, trunk_flops_per_s=1.0)) == {"a": 2}
+    # Cut 1 is now far better, but rounds 2 and 3 are not re-plan rounds.
+    for server_round in (2, 3):
+        assert cuts_of(planner.plan(server_round, clients, shallow, trunk_flops_per_s=1.0)) == {
+            "a": 2
+        }
+    assert cuts_of(planner.plan(4, clients, shallow, trunk_flops_per_s=1.0)) == {"a": 1}
+
+
+def test_dynsl_places_new_and_no_longer_fitting_clients_between_replans() -> None:
+    planner = DynSLPlanner(every=5)
+    cuts = [
+        cut_cost(1, client_flops=1, server_flops=9, memory=10),
+        cut_cost(2, client_flops=2, server_flops=1, memory=100),
+    ]
+    assert cuts_of(planner.plan(1, [client_state("a")], cuts, trunk_flops_per_s=1.0)) == {"a": 2}
+    shrunk = [client_state("a", memory=50), client_state("b")]
+    assert cuts_of(planner.plan(2, shrunk, cuts, trunk_flops_per_s=1.0)) == {"a": 1, "b": 2}
+
+
+def test_dynsl_reverts_moves_that_do_not_shorten_the_round() -> None:
+    # A trunk per client. Both gain alone from cut 2 ("slow": 10 -> 3.5 s, "fast":
+    # 2.4 -> 1.6 s), but "fast" stays under the round's 3.5 s either way: put back.
+    cuts = [
+        cut_cost(1, client_flops=4, server_flops=2),
+        cut_cost(2, client_flops=1, server_flops=1.5),
+    ]
+    clients = [
+        client_state("slow", flops=0.5, current_cut=1),
+        client_state("fast", flops=10, current_cut=1),
+    ]
+    planner = DynSLPlanner(every=1, hysteresis=0.0, shared_trunk=False)
+    plan = planner.plan(1, clients, cuts, trunk_flops_per_s=1.0)
+    assert cuts_of(plan) == {"slow": 2, "fast": 1}
+    assert plan.makespan_s == pytest.approx(3.5)
+
+
+def test_dynsl_replans_exactly() -> None:
+    clients, cuts, trunk = random_instance(30, 6, seed=2)
+    fresh = [replace(c, current_cut=None) for c in clients]
+    plan = DynSLPlanner(every=1).plan(1, fresh, cuts, trunk_flops_per_s=trunk)
+    exact = solve(fresh, cuts, trunk_flops_per_s=trunk, allow_checkpoint=False)
+    assert plan.makespan_s == pytest.approx(exact.makespan_s, rel=1e-12)
+
+
+# --- SmartSplit ----------------------------------------------------------------
+
+
+def test_smartsplit_selects_m_of_the_clients() -> None:
+    cuts = [cut_cost(1, client_flops=1, server_flops=1)]
+    clients = [client_state(f"c{i}", flops=1 + i) for i in range(10)]
+    plan = SmartSplitPlanner(select_fraction=0.3, pool_factor=2).plan(
+        1, clients, cuts, trunk_flops_per_s=1.0
+    )
+    assert len(plan.assignments) == 3
+    assert len(plan.excluded) == 7
+    assert all(r.startswith("not selected") for r in plan.excluded.values())
+
+
+def test_smartsplit_random_selection_draws_m_feasible_devices_per_round() -> None:
+    cuts = [cut_cost(1, client_flops=1, server_flops=1, memory=100)]
+    clients = [client_state(f"c{i}", flops=1 + i) for i in range(10)]
+    clients.append(client_state("too-small", memory=10))
+    planner = SmartSplitPlanner(select_fraction=0.3, selection="random", seed=7)
+    picks = [frozenset(cuts_of(planner.plan(r, clients, cuts, trunk_flops_per_s=1.0)))
+             for r in range(1, 6)]
+    assert all(len(p) == 3 and "too-small" not in p for p in picks)
+    assert len(set(picks)) > 1  # a fresh draw each round ...
+    again = SmartSplitPlanner(select_fraction=0.3, selection="random", seed=7)
+    assert cuts_of(again.plan(1, clients, cuts, trunk_flops_per_s=1.0)) == dict.fromkeys(
+        picks[0], 1)  # ... repeatable by its seed
+    with pytest.raises(ValueError, match="selection"):
+        SmartSplitPlanner(selection="best")
+
+
+def test_smartsplit_checkpoints_to_fit_a_small_budget_only() -> None:
+    cuts = [
+        cut_cost(
+            1,
+            client_flops=1,
+            server_flops=4,
+            memory=100,
+            checkpointed_memory=40,
+            recompute_flops=0.5,
+        ),
+        cut_cost(
+            2, client_flops=2, server_flops=2, memory=200, checkpointed_memory=80, recompute_flops=1
+        ),
+    ]
+    clients = [
+        client_state("tight", memory=50),
+        client_state("roomy", memory=1000),
+        client_state("tiny", memory=30),
+    ]
+    plan = SmartSplitPlanner(select_fraction=1.0, pool_factor=1).plan(
+        1, clients, cuts, trunk_flops_per_s=1.0
+    )
+    by_client = {a.client: (a.cut, a.checkpoint) for a in plan.assignments}
+    assert by_client == {"tight": (1, True), "roomy": (2, False)}
+    assert "needs at least 40 bytes (cut 1 with checkpointing)" in plan.excluded["tiny"]
+
+
+def test_smartsplit_checkpoints_when_it_unlocks_a_faster_cut() -> None:
+    # Cut 1 fits plainly; cut 2 fits only checkpointed, and relieves the trunk.
+    cuts = [
+        cut_cost(1, client_flops=1, server_flops=10, memory=50),
+        cut_cost(
+            2, client_flops=2, server_flops=1, memory=200, checkpointed_memory=80, recompute_flops=1
+        ),
+    ]
+    plan = SmartSplitPlanner(select_fraction=1.0).plan(
+        1, [client_state("a", memory=100)], cuts, trunk_flops_per_s=1.0
+    )
+    assert [(a.cut, a.checkpoint) for a in plan.assignments] == [(2, True)]
+
+
+def test_smartsplit_prefers_high_utility_devices_within_its_pool() -> None:
+    cuts = [cut_cost(1, client_flops=1, server_flops=1)]
+    clients = [
+        client_state("fast-dull", flops=100, utility=0.1),
+        client_state("slow-rich", flops=0.5, utility=0.9),
+        client_state("fast-dull-2", flops=100, utility=0.2),
+        client_state("mid-rich", flops=1, utility=0.8),
+    ]
+    narrow = SmartSplitPlanner(select_fraction=0.5, pool_factor=1).plan(
+        1, clients, cuts, trunk_flops_per_s=1.0
+    )
+    assert set(cuts_of(narrow)) == {"slow-rich", "mid-rich"}
+    # A wider pool lets speed decide among more devices.
+    wide = SmartSplitPlanner(select_fraction=0.5, pool_factor=2).plan(
+        1, clients, cuts, trunk_flops_per_s=1.0
+    )
+    assert set(cuts_of(wide)) == {"fast-dull", "fast-dull-2"}
+    assert wide.makespan_s < narrow.makespan_s
+
+
+def test_smartsplit_validates_its_options() -> None:
+    with pytest.raises(ValueError, match="select_fraction"):
+        SmartSplitPlanner(select_fraction=0)
+    with pytest.raises(ValueError, match="pool_factor"):
+        SmartSplitPlanner(pool_factor=0.5)
+
+
+# --- oracle --------------------------------------------------------------------
+
+
+def test_oracle_matches_the_solver_on_a_small_fleet() -> None:
+    clients, cuts, trunk = random_instance(4, 4, seed=5)
+    oracle = OraclePlanner().plan(1, clients, cuts, trunk_flops_per_s=trunk)
+    exact = solve(clients, cuts, trunk_flops_per_s=trunk)
+    assert oracle.makespan_s == pytest.approx(exact.makespan_s, rel=1e-9)
+
+
+def test_oracle_refuses_a_large_fleet_clearly() -> None:
+    clients, cuts, trunk = random_instance(40, 10, seed=1)
+    with pytest.raises(ValueError, match="planner 'oracle' cannot plan 40 clients x 10 cuts"):
+        OraclePlanner().plan(1, clients, cuts, trunk_flops_per_s=trunk)
+
+
+# --- rotate --------------------------------------------------------------------
+
+
+def test_rotate_moves_every_client_each_round() -> None:
+    cuts = [cut_cost(c, client_flops=c, server_flops=3 - c, memory=100 * c) for c in (2, 1)]
+    clients = [client_state("0"), client_state("1"), client_state("7", memory=150)]
+    planner = RotatePlanner()
+    first = planner.plan(1, clients, cuts, trunk_flops_per_s=1.0)
+    second = planner.plan(2, clients, cuts, trunk_flops_per_s=1.0)
+    # Ranks by id 0, 1, 2 take the cuts [1, 2] in turn; "7" does not fit cut 2.
+    assert cuts_of(first) == {"0": 2, "1": 1}
+    assert "needs at least 200 bytes" in first.excluded["7"]
+    assert cuts_of(second) == {"0": 1, "1": 2, "7": 1}
+
+
+# --- privacy floor -------------------------------------------------------------
+
+
+def test_privacy_floor_forbids_measured_leaky_cuts_only() -> None:
+    cuts = [
+        cut_cost(1, client_flops=1, server_flops=1, leak=0.9),
+        cut_cost(2, client_flops=2, server_flops=1, leak=0.6),
+        cut_cost(3, client_flops=3, server_flops=1, leak=None),
+        cut_cost(4, client_flops=4, server_flops=1, leak=0.2),
+    ]
+    assert privacy_floor(cuts, max_leak=0.5) == frozenset({1, 2})
+
+
+@pytest.mark.parametrize("name", sorted(set(PLANNERS) - {"uniform"}))
+def test_every_planner_respects_forbidden_cuts(name: str) -> None:
+    cuts = [cut_cost(c, client_flops=c, server_flops=10 - c, leak=1.0 - c / 10) for c in (1, 2, 3)]
+    forbidden = privacy_floor(cuts, max_leak=0.75)
+    assert forbidden == frozenset({1, 2})
+    planner = make_planner(name, forbidden_cuts=forbidden)
+    clients = [client_state(f"c{i}", flops=1 + i) for i in range(4)]
+    plan = planner.plan(1, clients, cuts, trunk_flops_per_s=1.0)
+    assert plan.assignments and {a.cut for a in plan.assignments} == {3}
+
+
+# --- make_planner --------------------------------------------------------------
+
+
+def test_make_planner_builds_each_planner_by_name() -> None:
+    assert isinstance(make_planner("uniform", cut=2), UniformPlanner)
+    assert isinstance(make_planner("greedy"), GreedyPlanner)
+    assert isinstance(make_planner("dynsl", every=3, hysteresis=0.2), DynSLPlanner)
+    assert isinstance(make_planner("smartsplit", select_fraction=0.5), SmartSplitPlanner)
+    assert isinstance(make_planner("oracle"), OraclePlanner)
+    assert isinstance(make_planner("rotate"), RotatePlanner)
+
+
+def test_make_planner_errors_name_what_is_accepted() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"unknown planner 'best'; accepted: \['dynsl', 'greedy', 'oracle', 'rotate', ",
+    ):
+        make_planner("best")
+    with pytest.raises(ValueError, match=r"takes no options \['evry'\]; accepted: \['every'"):
+        make_planner("dynsl", evry=3)
+    with pytest.raises(ValueError, match=r"planner 'uniform' needs options \['cut'\]"):
+        make_planner("uniform")
+
+
+# --- monitor -------------------------------------------------------------------
+
+ROUND = {
+    "flops": 4e9,
+    "compute_s": 2.0,
+    "bytes_up": 1e6,
+    "upload_s": 1.0,
+    "bytes_down": 4e6,
+    "download_s": 2.0,
+    "exchanges": 10,
+    "latency_s": 0.5,
+    "memory_bytes": 1e9,
+    "samples": 64,
+    "batches": 4,
+}
+
+PRIOR = ClientState(
+    client="template",
+    flops_per_s=1.0,
+    uplink_bytes_per_s=1.0,
+    downlink_bytes_per_s=1.0,
+    rtt_s=1.0,
+    memory_bytes=1.0,
+    samples=1,
+    batches=1,
+)
+
+
+def test_monitor_turns_one_round_into_rates() -> None:
+    monitor = ClientMonitor()
+    monitor.observe("a", **ROUND, cut=3)
+    state = monitor.state("a", PRIOR)
+    assert state == replace(
+        PRIOR,
+        client="a",
+        flops_per_s=2e9,
+        uplink_bytes_per_s=1e6,
+        downlink_bytes_per_s=2e6,
+        rtt_s=0.05,
+        memory_bytes=1e9,
+        samples=64,
+        batches=4,
+        current_cut=3,
+    )
+
+
+def test_monitor_smooths_exponentially_and_skips_zero_durations() -> None:
+    monitor = ClientMonitor(alpha=0.25)
+    monitor.observe("a", **ROUND)
+    monitor.observe("a", **(ROUND | {"compute_s": 1.0, "upload_s": 0.0, "latency_s": None}))
+    state = monitor.state("a", PRIOR)
+    assert state.flops_per_s == pytest.approx(0.25 * 4e9 + 0.75 * 2e9)
+    assert state.uplink_bytes_per_s == pytest.approx(1e6)  # the zero-second upload taught nothing
+    assert state.rtt_s == pytest.approx(0.05)
+
+
+def test_monitor_keeps_the_prior_for_what_was_never_measured() -> None:
+    monitor = ClientMonitor()
+    monitor.observe_memory("declined", 5e8)
+    assert monitor.state("declined", PRIOR) == replace(PRIOR, client="declined", memory_bytes=5e8)
+    assert monitor.state("unknown", PRIOR) == replace(PRIOR, client="unknown")
+
+
+def test_monitor_memory_is_the_latest_report_not_an_average() -> None:
+    monitor = ClientMonitor(alpha=0.5)
+    monitor.observe("a", **ROUND)
+    monitor.observe_memory("a", 2e8)
+    assert monitor.state("a", PRIOR).memory_bytes == 2e8
+
+
+def test_monitor_utility_is_coverage_times_relative_loss() -> None:
+    monitor = ClientMonitor(alpha=1.0)
+    monitor.observe("a", **ROUND, loss=3.0, label_coverage=0.5)
+    monitor.observe("b", **ROUND, loss=1.0)
+    monitor.observe("c", **ROUND, label_coverage=0.4)
+    assert monitor.utility("a") == pytest.approx(0.5 * 3.0 / 2.0)
+    assert monitor.utility("b") == pytest.approx(1.0 / 2.0)
+    assert monitor.utility("c") == pytest.approx(0.4)
+    assert monitor.utility("never-seen") == 1.0
+    assert monitor.state("a", PRIOR).utility == pytest.approx(0.75)
+
+
+def test_monitor_rejects_a_bad_alpha() -> None:
+    with pytest.raises(ValueError, match="alpha"):
+        ClientMonitor(alpha=0.0)
