@@ -117,8 +117,9 @@ class Pacer:
     """Makes each batch take as long as it would on the device (``devices.emulate``).
 
     After a batch, sleeps for the device time of what the batch did (its compute
-    rescaled, its bytes over the links, its exchanges' round trips) minus the wall
-    time it took here.
+    rescaled, its bytes over the links, its exchanges' round trips) minus the
+    time the device itself was busy here (waiting for the trunk comes on top, as
+    on a real link: upload, the trunk's step, download).
     """
 
     def __init__(self, profile: DeviceProfile, *, host_flops_per_s: float) -> None:

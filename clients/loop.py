@@ -45,6 +45,8 @@ class TrainReport:
         carried in Flower messages where the protocol has no data plane).
     exchanges : int
         Round trips with the server (each pays the link's latency).
+    wait_s : float
+        Seconds spent waiting for the trunk's replies (the trunk's time, not the device's).
     """
 
     examples: int
@@ -56,6 +58,7 @@ class TrainReport:
     bytes_up: int
     bytes_down: int
     exchanges: int
+    wait_s: float = 0.0
 
     @property
     def measurement(self) -> ClientMeasurement:
@@ -162,10 +165,10 @@ def train_round(
             wall = time.perf_counter() - started
             compute = wall - (traffic.wait_s - waited)
             steps = tally.add_batch(size=len(labels), correct=correct, loss=loss, compute_s=compute)
-            if pacer is not None:
+            if pacer is not None:  # the trunk's time is the trunk's: pace the device's own part
                 pacer.after_batch(ClientMeasurement(
                     compute, traffic.up - up, traffic.down - down, step.exchanges_per_batch,
-                ), wall_s=wall)
+                ), wall_s=compute)
             if on_step is not None:
                 on_step(steps)
     step.finish(channel)
@@ -175,7 +178,7 @@ def train_round(
         accuracy=tally.correct / max(tally.examples, 1), compute_s=tally.compute_s,
         wall_s=time.perf_counter() - tally.started, bytes_up=traffic.up, bytes_down=traffic.down,
         exchanges=(tally.steps - tally.empty) * step.exchanges_per_batch
-        + step.extra_exchanges(),
+        + step.extra_exchanges(), wait_s=traffic.wait_s,
     )
 
 

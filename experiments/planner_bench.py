@@ -41,6 +41,9 @@ PLANNER_DEFAULTS = (
 )
 SCENARIOS = ("heterogeneous", "dynamic")
 PLANNERS = ("greedy", "dynsl", "smartsplit")
+#: SmartSplit's cuts and checkpointing with a random choice among the feasible devices: what
+#: its selection is worth at equal virtual time (not one of the planners compared above).
+RANDOM_SELECTION = "smartsplit-random"
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class RunResult:
     final_accuracy: float
     best_accuracy: float
     max_memory_over_budget: float  # measured peak / budget, worst client-round (0: none)
+    curve: tuple[tuple[float, float], ...] = ()  # (virtual time, test accuracy) per round
 
 
 def time_to_target(history: Sequence[dict], target: float) -> float:
@@ -70,7 +74,12 @@ def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
     """Train one configuration in this process and read its clock."""
     from experiments.local import run_local
 
-    choice = [f"model.cut={method[4:]}"] if method.startswith("cut=") else [f"planner={method}"]
+    if method.startswith("cut="):
+        choice = [f"model.cut={method[4:]}"]
+    elif method == RANDOM_SELECTION:
+        choice = ["planner=smartsplit", "planner.selection=random"]
+    else:
+        choice = [f"planner={method}"]
     by_cut = "{" + ", ".join(f"{c}: {f}" for c, f in host_flops.items()) + "}"
     cfg = compose_config([f"+scenario={scenario}", *PLANNER_DEFAULTS, *overrides, *choice,
                           f"seed={seed}", f"devices.host_flops_per_s={min(host_flops.values())}",
@@ -83,7 +92,31 @@ def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
         scenario, seed, method, time_to_target(history, target), float(final["virtual_time_s"]),
         float(final["test_accuracy"]), max(float(r["test_accuracy"]) for r in history),
         max((float(r.get("memory_over_budget", 0.0)) for r in history), default=0.0),
+        tuple((float(r["virtual_time_s"]), float(r["test_accuracy"])) for r in history),
     )
+
+
+def accuracy_at(curve: Sequence[tuple[float, float]], seconds: float) -> float:
+    """Test accuracy of the last round finished by ``seconds`` of virtual time."""
+    return max(((t, a) for t, a in curve if t <= seconds), default=(0.0, 0.0))[1]
+
+
+def selection_at_equal_time(results: Sequence[RunResult]) -> dict[str, float] | None:
+    """SmartSplit's selection vs random selection, accuracy at the same virtual time.
+
+    Per seed, the time is the shorter of the two runs' total virtual times.
+    """
+    pairs = []
+    for smart in (r for r in results if r.method == "smartsplit"):
+        rand = next((r for r in results if r.method == RANDOM_SELECTION
+                     and r.seed == smart.seed and r.scenario == smart.scenario), None)
+        if rand is not None:
+            seconds = min(smart.virtual_time_s, rand.virtual_time_s)
+            pairs.append((accuracy_at(smart.curve, seconds), accuracy_at(rand.curve, seconds)))
+    if not pairs:
+        return None
+    return {"smartsplit": statistics.fmean(p[0] for p in pairs),
+            "random": statistics.fmean(p[1] for p in pairs)}
 
 
 def mean_time(results: Sequence[RunResult]) -> float:
@@ -114,6 +147,8 @@ def summarise(results: Sequence[RunResult], cuts: Sequence[int]) -> dict:
                                                     uniform[worst_uniform]),
             "reduction_vs_greedy": reduction(planners[best_planner], planners.get("greedy")),
             "accuracy_gap_vs_best_uniform": finals[best_planner] - finals[best_uniform],
+            "selection_at_equal_time": selection_at_equal_time(mine),
+            "max_memory_over_budget": max(r.max_memory_over_budget for r in mine),
         }
     return summary
 
@@ -142,28 +177,36 @@ def check_solver(*, instances: int = 200, seed: int = 0) -> dict:
             "plan_1000x20_s": time_planner(1000, 20, seed=seed)}
 
 
-def plot(results: Sequence[RunResult], path: Path) -> None:
-    """Bars of mean time to target per method, one panel per scenario."""
+def plot(results: Sequence[RunResult], path: Path, *, target: float) -> None:
+    """Per scenario: mean time to target per method (bars), accuracy over virtual time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     scenarios = sorted({r.scenario for r in results})
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(6 * len(scenarios), 4), squeeze=False)
-    for ax, scenario in zip(axes[0], scenarios, strict=True):
+    fig, axes = plt.subplots(2, len(scenarios), figsize=(7 * len(scenarios), 8), squeeze=False)
+    for column, scenario in enumerate(scenarios):
         mine = [r for r in results if r.scenario == scenario]
         methods = sorted({r.method for r in mine}, key=lambda m: (not m.startswith("cut="), m))
+        colors = dict(zip(methods, plt.get_cmap("tab10").colors, strict=False))
+        bars, curves = axes[0][column], axes[1][column]
         times = [mean_time([r for r in mine if r.method == m]) for m in methods]
-        shown = [t if math.isfinite(t) else 0.0 for t in times]
-        colors = ["tab:gray" if m.startswith("cut=") else "tab:blue" for m in methods]
-        ax.bar(methods, shown, color=colors)
+        bars.bar(methods, [t if math.isfinite(t) else 0.0 for t in times],
+                 color=[colors[m] for m in methods])
         for x, t in enumerate(times):
             if not math.isfinite(t):
-                ax.text(x, 0, "never", ha="center", va="bottom", rotation=90)
-        ax.set_title(f"{scenario}: virtual time to target")
-        ax.set_ylabel("virtual seconds")
-        ax.tick_params(axis="x", rotation=30)
+                bars.text(x, 0, "never", ha="center", va="bottom", rotation=90)
+        bars.set_title(f"{scenario}: virtual time to {target:.0%} (mean of seeds)")
+        bars.set_ylabel("virtual seconds")
+        bars.tick_params(axis="x", rotation=30)
+        for r in mine:
+            curves.plot([t for t, _ in r.curve], [a for _, a in r.curve], color=colors[r.method],
+                        alpha=0.6, label=r.method if r.seed == 0 else None)
+        curves.axhline(target, color="gray", linestyle=":")
+        curves.set_xlabel("virtual seconds")
+        curves.set_ylabel("test accuracy")
+        curves.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -186,7 +229,7 @@ def bench_planner(overrides: Sequence[str], *, seeds: int = 3, target: float = 0
     print(f"host GFLOP/s by cut {({c: round(f / 1e9, 2) for c, f in host_flops.items()})}; "
           f"target {target}; {seeds} seeds; results in {out_dir}", flush=True)
     results: list[RunResult] = []
-    methods = [f"cut={c}" for c in cuts] + list(PLANNERS)
+    methods = [f"cut={c}" for c in cuts] + [*PLANNERS, RANDOM_SELECTION]
     for scenario in SCENARIOS:
         for seed in range(seeds):
             for method in methods:
@@ -201,7 +244,7 @@ def bench_planner(overrides: Sequence[str], *, seeds: int = 3, target: float = 0
                 write_rows(results, out_dir / "planner.csv")
     summary = summarise(results, cuts) | {"solver": check_solver()}
     (out_dir / "planner.json").write_text(json.dumps(summary, indent=2, default=str))
-    plot(results, out_dir / "planner.png")
+    plot(results, out_dir / "planner.png", target=target)
     last = {key: min((s[key] for s in summary.values() if isinstance(s, dict) and key in s
                       and s[key] is not None), default=None)
             for key in ("reduction_vs_best_uniform", "reduction_vs_worst_uniform",
@@ -218,7 +261,11 @@ def bench_planner(overrides: Sequence[str], *, seeds: int = 3, target: float = 0
 
 def write_rows(results: Sequence[RunResult], path: Path) -> None:
     """One CSV row per run."""
+    rows = [{k: v for k, v in asdict(r).items() if k != "curve"} for r in results]
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(results[0])))
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        writer.writerows(asdict(r) for r in results)
+        writer.writerows(rows)
+    curves = [{"scenario": r.scenario, "seed": r.seed, "method": r.method, "curve": r.curve}
+              for r in results]
+    path.with_name("curves.json").write_text(json.dumps(curves))

@@ -26,7 +26,7 @@ from splitlearn.planning.cost import Assignment, ClientState, CutCost, Plan
 from splitlearn.planning.devices import MBIT
 from splitlearn.planning.monitor import ClientMonitor
 from splitlearn.planning.planners import Planner, make_planner, privacy_floor
-from strategies.reporting import reply_metrics, reply_status
+from strategies.reporting import reply_metrics
 
 log = logging.getLogger(__name__)
 
@@ -128,27 +128,40 @@ class CutPlanning:
         state = self.monitor.state(client, self.prior)
         return replace(state, current_cut=self._given.get(client))
 
-    def observe(self, server_round: int, replies: Sequence[Message], *,
-                deadline_s: float | None) -> None:
-        """Fold the round's replies into the estimates; measure the trunk's speed."""
+    def observe(self, server_round: int,
+                replies: Sequence[tuple[Message, str, Assignment]]) -> None:
+        """Fold the round's replies into the estimates; measure the trunk's speed.
+
+        Each reply comes with its status (as the strategy judged it) and the
+        assignment it was given: the cut is the server's, not what the client
+        claims. A reply whose metrics cannot be read is left out, with a warning.
+        """
         trunk_flops = 0.0
-        for reply in replies:
-            status = reply_status(reply, deadline_s=deadline_s)
+        for reply, status, assigned in replies:
             if reply.has_error():
                 continue
-            metrics = reply_metrics(reply)
-            client = str(reply.metadata.src_node_id)
-            if status == "memory" and "memory-budget" in metrics:
-                self.monitor.observe_memory(client, float(metrics["memory-budget"]))
-            if status in ("ok", "straggler"):
-                trunk_flops += self._observe_trained(client, metrics)
+            try:
+                trunk_flops += self._observe_one(reply, status, assigned)
+            except (KeyError, TypeError, ValueError) as err:
+                log.warning("round %d: client %s's metrics not used for planning: %r",
+                            server_round, reply.metadata.src_node_id, err)
         self._measure_trunk(trunk_flops)
 
-    def _observe_trained(self, client: str, metrics: Any) -> float:
+    def _observe_one(self, reply: Message, status: str, assigned: Assignment) -> float:
+        """Fold one reply in; return the trunk FLOPs it caused."""
+        metrics = reply_metrics(reply)
+        client = str(reply.metadata.src_node_id)
+        if status == "memory" and "memory-budget" in metrics:
+            self.monitor.observe_memory(client, float(metrics["memory-budget"]))
+        if status not in ("ok", "straggler"):
+            return 0.0
+        return self._observe_trained(client, metrics, assigned)
+
+    def _observe_trained(self, client: str, metrics: Any, assigned: Assignment) -> float:
         """Fold one trained client's metrics in; return the trunk FLOPs it caused."""
-        cost = self.costs[int(metrics["cut"])]  # a cut the planner gave
+        cost = self.costs[assigned.cut]
         samples = int(metrics["num-examples"])
-        recompute = cost.recompute_flops_per_sample if metrics.get("checkpoint") else 0.0
+        recompute = cost.recompute_flops_per_sample if assigned.checkpoint else 0.0
         self.monitor.observe(
             client, flops=samples * (cost.client_flops_per_sample + recompute),
             compute_s=_positive(metrics.get("virtual-compute-s")),

@@ -8,9 +8,11 @@ same way, at FedAvg's own hooks:
   spec (built once per run) and the round's data (round, cut) as two records;
 * a status per reply, read from its ``status`` record (a client that declined,
   vanished or was refused says so); only an error reply with no record is
-  ``failed``, and a reply past ``round_deadline_s`` virtual seconds is a
-  ``straggler``. Only ``ok`` replies are averaged, so nothing of a client's
-  partial work reaches the weights;
+  ``failed``, a reply past ``round_deadline_s`` virtual seconds is a
+  ``straggler``, and one whose arrays are not what it was sent (other keys,
+  shapes or dtypes — with per-client cuts, stages beyond its own — or values
+  that are not finite) is ``refused``. Only ``ok`` replies are averaged, so
+  nothing of a client's partial or malformed work reaches the weights;
 * a :class:`RoundOutcome` per round (a row per sampled client and the aggregated
   metrics) handed to the ``on_round`` hook, which is how the reporter learns it.
 """
@@ -20,9 +22,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from logging import INFO
+from logging import INFO, WARNING
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
@@ -94,6 +97,36 @@ def reply_status(reply: Message, *, deadline_s: float | None) -> str:
     if deadline_s is not None and float(reply_metrics(reply).get("virtual-s", 0.0)) > deadline_s:
         return "straggler"
     return "ok"
+
+
+def arrays_signature(arrays: ArrayRecord) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Return each array's shape and dtype, by key: what a reply must send back."""
+    return {key: (tuple(array.shape), array.dtype) for key, array in arrays.items()}
+
+
+def arrays_problem(
+    returned: ArrayRecord | None, sent: dict[str, tuple[tuple[int, ...], str]] | None
+) -> str | None:
+    """Say what is wrong with the arrays a client returned, or None.
+
+    A client returns exactly the arrays it was sent (same keys, shapes and
+    dtypes: with per-client cuts, no stage beyond its own), all finite.
+    ``sent`` is None when this strategy sent the node nothing to compare with
+    (replies built by hand); finiteness is checked all the same.
+    """
+    if returned is None:
+        return "no weights in the reply"
+    if sent is not None:
+        extra, missing = sorted(set(returned) - set(sent)), sorted(set(sent) - set(returned))
+        if extra or missing:
+            return f"returned arrays it was not sent {extra[:5]}, left out {missing[:5]}"
+    for key, array in returned.items():
+        if sent is not None and (tuple(array.shape), array.dtype) != sent[key]:
+            return f"array {key!r} is {array.dtype}{list(array.shape)}, expected {sent[key]}"
+        values = array.numpy()
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            return f"array {key!r} is not finite"
+    return None
 
 
 def client_row(reply: Message, status: str) -> dict[str, Any]:
@@ -171,6 +204,9 @@ class ReportingFedAvg(FedAvg):
         self.round_deadline_s = round_deadline_s
         self._spec_text = encode_spec(spec)  # the same for every message of the run
         self._round_started = 0.0
+        self._sent: dict[int, dict[str, tuple[tuple[int, ...], str]]] = {}  # node -> arrays
+        #: The last training round's status of each node that replied.
+        self.statuses: dict[int, str] = {}
 
     def summary(self) -> None:
         """Log FedAvg's settings plus the protocol's."""
@@ -193,8 +229,11 @@ class ReportingFedAvg(FedAvg):
     def _typed(self, message: Message, server_round: int, kind: str) -> Message:
         node = message.metadata.dst_node_id
         config = ConfigRecord({**message.content[self.configrecord_key], SPEC_KEY: self._spec_text})
+        arrays = self.client_arrays(node, message.content[self.arrayrecord_key])
+        if kind == "train":
+            self._sent[node] = arrays_signature(arrays)
         content = RecordDict({
-            self.arrayrecord_key: self.client_arrays(node, message.content[self.arrayrecord_key]),
+            self.arrayrecord_key: arrays,
             self.configrecord_key: config,
             ROUND_KEY: ConfigRecord(self.round_record(node, server_round)),
         })
@@ -232,6 +271,21 @@ class ReportingFedAvg(FedAvg):
     def finish_round(self, server_round: int, finished: list[Message]) -> None:
         """Settle the round with its finished replies, before they are averaged (a hook)."""
 
+    def _refuse_bad_arrays(self, replies: list[Message], statuses: list[str]
+                           ) -> dict[int, dict[str, str]]:
+        """Mark ``refused`` the finished replies whose arrays are not what was sent back."""
+        problems: dict[int, dict[str, str]] = {}
+        for i, reply in enumerate(replies):
+            if statuses[i] != "ok":
+                continue
+            returned = reply.content.array_records.get(self.arrayrecord_key)
+            sent = self._sent.get(reply.metadata.src_node_id)
+            if (problem := arrays_problem(returned, sent)) is not None:
+                log(WARNING, "client %s refused: %s", reply.metadata.src_node_id, problem)
+                statuses[i] = "refused"
+                problems[i] = {"reason": problem}
+        return problems
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -239,6 +293,8 @@ class ReportingFedAvg(FedAvg):
         replies = list(replies)
         round_train_s = time.perf_counter() - self._round_started
         statuses = [reply_status(r, deadline_s=self.round_deadline_s) for r in replies]
+        problems = self._refuse_bad_arrays(replies, statuses)
+        self.statuses = {r.metadata.src_node_id: s for r, s in zip(replies, statuses, strict=True)}
         finished = [r for r, s in zip(replies, statuses, strict=True) if s == "ok"]
         self.finish_round(server_round, finished)
         arrays, metrics = None, None
@@ -254,7 +310,8 @@ class ReportingFedAvg(FedAvg):
         report["round-train-s"] = round_train_s
         if self.on_round is not None:
             self.on_round(RoundOutcome(
-                server_round, [client_row(r, s) for r, s in zip(replies, statuses, strict=True)],
+                server_round, [client_row(r, s) | problems.get(i, {})
+                               for i, (r, s) in enumerate(zip(replies, statuses, strict=True))],
                 {k.replace("-", "_"): float(v) for k, v in report.items()},
                 self.clients_in_parallel,
             ))

@@ -127,11 +127,19 @@ class SplitFed(ReportingFedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Let the planner learn from every reply (declines included), then aggregate."""
+        """Aggregate, then let the planner learn from every reply (declines included).
+
+        After the merge, so that SplitFed v1's trunk copies have added their
+        busy time to the trunk's books when the planner measures its speed.
+        """
         replies = list(replies)
+        result = super().aggregate_train(server_round, replies)
         if self.planning is not None:
-            self.planning.observe(server_round, replies, deadline_s=self.round_deadline_s)
-        return super().aggregate_train(server_round, replies)
+            self.planning.observe(server_round, [
+                (r, self.statuses[r.metadata.src_node_id], self.assignment(r.metadata.src_node_id))
+                for r in replies
+            ])
+        return result
 
     def round_record(self, node: int, server_round: int) -> dict[str, Any]:
         """Return the round's data plus a session: the trunk's address and a fresh token."""

@@ -15,6 +15,7 @@ from server.trunk import Trunk
 from splitlearn.calibration import cut_costs
 from splitlearn.config import DataPlaneConfig, PlannerConfig, RunSpec, TraceEventConfig
 from splitlearn.dataplane import TokenRegistry
+from splitlearn.planning.cost import Assignment
 from splitlearn.planning.devices import DeviceProfile, apply_traces
 from splitlearn.planning.planners import RotatePlanner, SmartSplitPlanner
 from splitlearn.split import bottom_state
@@ -103,8 +104,13 @@ def test_the_planner_learns_budgets_from_declines_and_the_trunk_speed_from_its_b
                              "arrays": ArrayRecord()}),
                  dst_node_id=6, message_type="train.splitfed_v2")
     trunk.busy_s += 2.0  # the trunk worked 2 s for the round
-    planning.observe(1, [declined_for_memory(request, budget), trained_reply(ok, samples=40)],
-                     deadline_s=None)
+    garbled = trained_reply(ok, samples=40)
+    del garbled.content["metrics"]["num-examples"]  # unreadable metrics: left out, no crash
+    planning.observe(1, [
+        (declined_for_memory(request, budget), "memory", Assignment("5", 1)),
+        (trained_reply(ok, samples=40), "ok", Assignment("6", 1)),
+        (garbled, "ok", Assignment("7", 1)),
+    ])
     assert planning.state("5").memory_bytes == budget
     assert planning.trunk_flops_per_s == pytest.approx(40 * costs[1].server_flops_per_sample / 2)
     assigned = planning.assign(2, [5, 6])
@@ -169,3 +175,43 @@ def test_global_arrays_after_a_round_hold_every_cut_a_client_may_get():
     merged = trunk.stage_state()
     for key, value in final.items():
         np.testing.assert_allclose(value.numpy(), merged[key].numpy(), atol=1e-6)
+
+
+def test_clients_returning_other_stages_shapes_or_non_finite_weights_are_refused():
+    """An attacker holding cut 1 may not write the trunk's stages, nor poison with NaN."""
+    from flwr.app import Array
+
+    strategy, model, trunk, planning = make_splitfed(RotatePlanner())
+    rows: list[dict] = []
+    strategy.on_round = lambda outcome: rows.extend(outcome.rows)
+
+    def answer(message: Message) -> Message:
+        reply = trained_reply(message)
+        # A copy: in this process the message shares the server's arrays.
+        arrays = reply.content["arrays"] = ArrayRecord(dict(reply.content["arrays"].items()))
+        node = message.metadata.dst_node_id
+        if node == 12:  # also sends a stage it does not hold (the trunk's)
+            arrays["3.0.weight"] = Array(np.zeros((4, 4), dtype=np.float32))
+        elif node == 13:  # NaN in a stage it holds
+            key = next(iter(arrays))
+            arrays[key] = Array(np.full(arrays[key].shape, np.nan, dtype=np.float32))
+        elif node == 14:  # a stage of the wrong shape
+            key = next(iter(arrays))
+            arrays[key] = Array(np.zeros((1,), dtype=np.float32))
+        return reply
+
+    before = trunk.stage_state()
+    grid = ScriptedGrid([11, 12, 13, 14], answer)
+    start = state_to_record(bottom_state(model, planning.max_cut))
+    result = strategy.start(grid=grid, initial_arrays=start, num_rounds=1)
+    status = {r["node_id"]: (r["status"], r.get("reason", "")) for r in rows}
+    assert status["11"] == ("ok", "")
+    assert status["12"][0] == "refused" and "not sent ['3.0.weight']" in status["12"][1]
+    assert status["13"][0] == "refused" and "not finite" in status["13"][1]
+    assert status["14"][0] == "refused" and "expected" in status["14"][1]
+    final = record_to_state(result.arrays)
+    assert all(np.isfinite(v.numpy()).all() for v in final.values())
+    after = trunk.stage_state()
+    # Only node 11 trained (and sent back what it got): nothing changed anywhere.
+    for key, value in before.items():
+        np.testing.assert_array_equal(after[key].numpy(), value.numpy())
