@@ -174,7 +174,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     metrics = _train_metrics(rnd, plan, report, memory, weights)
     # The device's own wall time (waiting for the trunk is the trunk's, charged per round):
     # with devices.emulate, what virtual-s predicts.
-    metrics["wall-s"] = time.perf_counter() - started - report.wait_s
+    metrics["device-wall-s"] = time.perf_counter() - started - report.wait_s
     for key, value in _fleet_metrics(plan, step, label_coverage(rnd)).items():
         metrics[key] = value
     if spec.privacy.accounted:

@@ -210,7 +210,7 @@ def bench_clock(overrides: Sequence[str]) -> float:
               f"{r['virtual_round_s']:.2f} s ({error:+.1%})")
     errors: dict[str, list[float]] = {}
     for row in rows:
-        virtual, wall = float(row["virtual_s"]), float(row["wall_s"])
+        virtual, wall = float(row["virtual_s"]), float(row["device_wall_s"])
         errors.setdefault(row["profile"], []).append((wall - virtual) / virtual)
     for profile, errs in sorted(errors.items()):
         print(f"{profile:>16}: {len(errs)} client-rounds, wall vs clock error "

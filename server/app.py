@@ -276,15 +276,15 @@ class RoundReporter:
             settings=self.runtime.spec.privacy,
         )
         loss, accuracy, _ = evaluate_model(deployed, self.test_loader)
-        metrics: dict[str, float] = {
-            "test_accuracy": accuracy, "test_loss": loss,
-            "wall_s": time.perf_counter() - self.started,
-        }
+        metrics: dict[str, float] = {}
         outcome = self._outcomes.pop(server_round, None)
         rows = [self._with_profile(r) for r in outcome.rows] if outcome else []
         if outcome is not None:
             metrics |= outcome.metrics
             metrics["examples"] = metrics.pop("num_examples", 0.0)
+        # The run's own figures last: no client metric of the same name may replace them.
+        metrics |= {"test_accuracy": accuracy, "test_loss": loss,
+                    "wall_s": time.perf_counter() - self.started}
         metrics |= self._advance_clock(outcome, rows)
         if usage := memory_usage(rows):
             metrics["memory_over_budget"] = usage  # measured peak / budget, worst client

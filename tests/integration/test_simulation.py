@@ -48,6 +48,8 @@ def test_two_rounds_three_clients_leave_a_complete_run_folder(tmp_path):
     assert config["num_clients"] == 3 and config["strategy"]["num_rounds"] == 2
     rounds = json.loads((run_dir / "metrics.json").read_text())
     assert [r["round"] for r in rounds] == [0, 1, 2]
+    # The run's elapsed time (progress lines, ETA) grows, whatever the clients report.
+    assert 0 < rounds[0]["wall_s"] < rounds[1]["wall_s"] < rounds[2]["wall_s"]
     # Learning happened: the joined model beats its random initialisation.
     assert rounds[2]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.2
     for r in rounds[1:]:
