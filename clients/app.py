@@ -24,7 +24,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from clients.device import (
     ClientUnavailable,
@@ -147,7 +147,8 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     plan.check_memory(memory, what=f"{rnd.protocol.name} at cut {rnd.cut}, batch "
                       f"{spec.strategy.batch_size}"
                       + (" with checkpointing" if rnd.checkpoint else ""))
-    privacy = make_client_privacy(spec.privacy, rnd.loader())
+    loader = rnd.loader()
+    privacy = make_client_privacy(spec.privacy, loader)
     accountant = _load_accountant(context)
     try:
         # The whole round is charged before anything leaves the device.
@@ -175,7 +176,8 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     # The device's own wall time (waiting for the trunk is the trunk's, charged per round):
     # with devices.emulate, what virtual-s predicts.
     metrics["device-wall-s"] = time.perf_counter() - started - report.wait_s
-    for key, value in _fleet_metrics(plan, step, label_coverage(rnd)).items():
+    coverage = label_coverage(loader.dataset, step.model.num_classes)
+    for key, value in _fleet_metrics(plan, step, coverage).items():
         metrics[key] = value
     if spec.privacy.accounted:
         metrics["epsilon"] = accountant.epsilon(spec.privacy.delta)
@@ -231,15 +233,9 @@ def _fleet_metrics(plan: DevicePlan, step: ClientStep, coverage: float) -> dict[
     }
 
 
-def label_coverage(rnd: ClientRound) -> float:
-    """Share of the classes present in this node's partition (SmartSplit's data utility)."""
-    data = client_dataset(
-        rnd.spec.dataset, rnd.spec.partitioner, seed=rnd.spec.seed,
-        partition_id=rnd.partition_id, num_partitions=rnd.num_partitions,
-    )
-    labels = data.tensors[1]
-    classes = int(labels.max()) + 1 if len(labels) else 1
-    return float(len(torch.unique(labels))) / max(classes, 1)
+def label_coverage(data: TensorDataset, num_classes: int) -> float:
+    """Share of the model's classes present in this node's partition (SmartSplit's utility)."""
+    return len(torch.unique(data.tensors[1])) / num_classes
 
 
 def evaluate(rnd: ClientRound, msg: Message, context: Context, open_channel: ChannelFactory

@@ -15,6 +15,7 @@ from splitlearn.config import PrivacyConfig, RunSpec
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.models import SplittableModel
+from splitlearn.planning.cost import CutCost
 from splitlearn.privacy import ClientPrivacy
 from strategies.splitfed import SplitFedV2Options
 
@@ -99,3 +100,29 @@ class ScriptedGrid(Grid):
 
     def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
         raise NotImplementedError
+
+
+def cut_cost(
+    cut: int,
+    *,
+    client_flops: float,
+    server_flops: float,
+    memory: int = 0,
+    checkpointed_memory: int | None = None,
+    recompute_flops: float = 0.0,
+    smashed: int = 0,
+    params: int = 0,
+    leak: float | None = None,
+) -> CutCost:
+    """A planner's cost row with only what a test sets (the rest zero)."""
+    return CutCost(
+        cut=cut,
+        client_flops_per_sample=client_flops,
+        recompute_flops_per_sample=recompute_flops,
+        server_flops_per_sample=server_flops,
+        smashed_bytes_per_sample=smashed,
+        client_param_bytes=params,
+        memory_bytes=memory,
+        checkpointed_memory_bytes=memory if checkpointed_memory is None else checkpointed_memory,
+        leak=leak,
+    )

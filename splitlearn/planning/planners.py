@@ -78,6 +78,40 @@ def privacy_floor(cuts: Sequence[CutCost], max_leak: float) -> frozenset[int]:
     return frozenset(c.cut for c in cuts if c.leak is not None and c.leak > max_leak)
 
 
+class FlooredPlanner:
+    """What every planner shares: the privacy floor and the makespan model it solves for.
+
+    Parameters
+    ----------
+    min_cut, forbidden_cuts
+        The privacy floor: no cut below ``min_cut``, none in ``forbidden_cuts``.
+    shared_trunk : bool
+        One shared trunk (``max T + sum W``) or a trunk per client (``max (T + W)``).
+    """
+
+    def __init__(
+        self,
+        *,
+        min_cut: int | None = None,
+        forbidden_cuts: Collection[int] = frozenset(),
+        shared_trunk: bool = True,
+    ) -> None:
+        self.min_cut = min_cut
+        self.forbidden_cuts = frozenset(forbidden_cuts)
+        self.shared_trunk = shared_trunk
+
+    def options(
+        self, clients: Sequence[ClientState], cuts: Sequence[CutCost], *,
+        trunk_flops_per_s: float, allow_checkpoint: bool,
+    ) -> tuple[list[list[Option]], dict[str, str]]:
+        """Each client's feasible options above the floor, and why the others have none."""
+        return candidate_options(
+            clients, cuts, trunk_flops_per_s=trunk_flops_per_s,
+            allow_checkpoint=allow_checkpoint, min_cut=self.min_cut,
+            forbidden_cuts=self.forbidden_cuts,
+        )
+
+
 class UniformPlanner:
     """Every client at one cut without checkpointing; those it does not fit are excluded.
 
@@ -128,23 +162,12 @@ class UniformPlanner:
         )
 
 
-class GreedyPlanner:
+class GreedyPlanner(FlooredPlanner):
     """Each client the feasible cut of least ``T_i + W_i``, as if it had the trunk alone.
 
     No checkpointing. The plan's makespan is still predicted with the shared
     trunk (when ``shared_trunk``), which is what the greedy choice ignores.
     """
-
-    def __init__(
-        self,
-        *,
-        min_cut: int | None = None,
-        forbidden_cuts: Collection[int] = frozenset(),
-        shared_trunk: bool = True,
-    ) -> None:
-        self.min_cut = min_cut
-        self.forbidden_cuts = frozenset(forbidden_cuts)
-        self.shared_trunk = shared_trunk
 
     def plan(
         self,
@@ -155,13 +178,8 @@ class GreedyPlanner:
         trunk_flops_per_s: float,
     ) -> Plan:
         """Give each client its own fastest cut (see :class:`Planner`)."""
-        options, excluded = candidate_options(
-            clients,
-            cuts,
-            trunk_flops_per_s=trunk_flops_per_s,
-            allow_checkpoint=False,
-            min_cut=self.min_cut,
-            forbidden_cuts=self.forbidden_cuts,
+        options, excluded = self.options(
+            clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_checkpoint=False
         )
         # min() keeps the first of equal times: options come in preference order.
         chosen = [
@@ -170,7 +188,7 @@ class GreedyPlanner:
         return plan_from_choices(clients, chosen, excluded, shared_trunk=self.shared_trunk)
 
 
-class DynSLPlanner:
+class DynSLPlanner(FlooredPlanner):
     """DynSL: exact per-client cuts from measured compute and links, re-planned every R rounds.
 
     On re-plan rounds (1, 1 + R, 1 + 2R, ...) the planner solves exactly (no
@@ -214,9 +232,7 @@ class DynSLPlanner:
             raise ValueError(f"hysteresis must be >= 0, got {hysteresis}")
         self.every = every
         self.hysteresis = hysteresis
-        self.min_cut = min_cut
-        self.forbidden_cuts = frozenset(forbidden_cuts)
-        self.shared_trunk = shared_trunk
+        super().__init__(min_cut=min_cut, forbidden_cuts=forbidden_cuts, shared_trunk=shared_trunk)
         # The planner's memory: the cut it last gave each client.
         self.cuts: dict[str, int] = {}
 
@@ -233,13 +249,8 @@ class DynSLPlanner:
         trunk_flops_per_s: float,
     ) -> Plan:
         """Keep cuts, or re-plan when this round is a re-plan round (see :class:`Planner`)."""
-        options, excluded = candidate_options(
-            clients,
-            cuts,
-            trunk_flops_per_s=trunk_flops_per_s,
-            allow_checkpoint=False,
-            min_cut=self.min_cut,
-            forbidden_cuts=self.forbidden_cuts,
+        options, excluded = self.options(
+            clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_checkpoint=False
         )
         current = [self._kept_option(c, opts) for c, opts in zip(clients, options, strict=True)]
         pinned = [[o] if o is not None else opts for o, opts in zip(current, options, strict=True)]
@@ -309,7 +320,7 @@ def _move_seconds(client: ClientState, cuts: Sequence[CutCost], old: int, new: i
     return move_bytes(cuts, old, new) / link + client.rtt_s
 
 
-class SmartSplitPlanner:
+class SmartSplitPlanner(FlooredPlanner):
     """SmartSplit: memory-aware device selection, exact cuts with checkpointing.
 
     Per round: (a) devices that fit no cut even with checkpointing are
@@ -360,9 +371,7 @@ class SmartSplitPlanner:
         self.seed = seed
         self.select_fraction = select_fraction
         self.pool_factor = pool_factor
-        self.min_cut = min_cut
-        self.forbidden_cuts = frozenset(forbidden_cuts)
-        self.shared_trunk = shared_trunk
+        super().__init__(min_cut=min_cut, forbidden_cuts=forbidden_cuts, shared_trunk=shared_trunk)
 
     def selection_size(self, num_clients: int) -> int:
         """``m``: how many of ``num_clients`` given clients train (at least one)."""
@@ -377,13 +386,8 @@ class SmartSplitPlanner:
         trunk_flops_per_s: float,
     ) -> Plan:
         """Select a utility-ranked pool and solve it exactly (see :class:`Planner`)."""
-        options, excluded = candidate_options(
-            clients,
-            cuts,
-            trunk_flops_per_s=trunk_flops_per_s,
-            allow_checkpoint=True,
-            min_cut=self.min_cut,
-            forbidden_cuts=self.forbidden_cuts,
+        options, excluded = self.options(
+            clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_checkpoint=True
         )
         m = self.selection_size(len(clients))
         if self.selection == "random":
@@ -412,7 +416,7 @@ def _utility_pool(
     return {i for *_, i in ranked[:size]}
 
 
-class OraclePlanner:
+class OraclePlanner(FlooredPlanner):
     """Exhaustive search over every assignment (no selection): small fleets only.
 
     Parameters
@@ -434,9 +438,7 @@ class OraclePlanner:
         shared_trunk: bool = True,
     ) -> None:
         self.allow_checkpoint = allow_checkpoint
-        self.min_cut = min_cut
-        self.forbidden_cuts = frozenset(forbidden_cuts)
-        self.shared_trunk = shared_trunk
+        super().__init__(min_cut=min_cut, forbidden_cuts=forbidden_cuts, shared_trunk=shared_trunk)
 
     def plan(
         self,
@@ -463,7 +465,7 @@ class OraclePlanner:
             ) from err
 
 
-class RotatePlanner:
+class RotatePlanner(FlooredPlanner):
     """Diagnostic: client ``k`` takes ``cuts[(k + round) % len(cuts)]``, no checkpointing.
 
     Cuts then differ within a round and move every round, which exercises the
@@ -472,17 +474,6 @@ class RotatePlanner:
     ``len(cuts)`` different cuts. ``cuts`` are the allowed ones in increasing
     order; a client its cut does not fit is excluded.
     """
-
-    def __init__(
-        self,
-        *,
-        min_cut: int | None = None,
-        forbidden_cuts: Collection[int] = frozenset(),
-        shared_trunk: bool = True,
-    ) -> None:
-        self.min_cut = min_cut
-        self.forbidden_cuts = frozenset(forbidden_cuts)
-        self.shared_trunk = shared_trunk
 
     def plan(
         self,

@@ -319,3 +319,14 @@ def test_bottom_views_share_the_model():
     step = SplitStep(model, RunSpec(strategy=SplitFedV2Options()), cut=2)
     bottom, _ = split(model, 2)
     assert [id(p) for p in step.trained().parameters()] == [id(p) for p in bottom.parameters()]
+
+
+def test_label_coverage_counts_the_models_classes_not_the_largest_label_present():
+    from torch.utils.data import TensorDataset
+
+    from clients.app import label_coverage
+
+    two_classes = TensorDataset(torch.zeros(4, 1), torch.tensor([0, 1, 1, 0]))
+    assert label_coverage(two_classes, 10) == pytest.approx(0.2)
+    assert label_coverage(TensorDataset(torch.zeros(0, 1), torch.zeros(0, dtype=torch.long)),
+                          10) == 0.0

@@ -21,30 +21,7 @@ from splitlearn.planning.planners import (
     privacy_floor,
 )
 from splitlearn.planning.solve import random_instance, solve
-
-
-def cut_cost(
-    cut: int,
-    *,
-    client_flops: float,
-    server_flops: float,
-    memory: int = 0,
-    checkpointed_memory: int | None = None,
-    recompute_flops: float = 0.0,
-    params: int = 0,
-    leak: float | None = None,
-) -> CutCost:
-    return CutCost(
-        cut=cut,
-        client_flops_per_sample=client_flops,
-        recompute_flops_per_sample=recompute_flops,
-        server_flops_per_sample=server_flops,
-        smashed_bytes_per_sample=0,
-        client_param_bytes=params,
-        memory_bytes=memory,
-        checkpointed_memory_bytes=memory if checkpointed_memory is None else checkpointed_memory,
-        leak=leak,
-    )
+from tests.helpers import cut_cost
 
 
 def client_state(
