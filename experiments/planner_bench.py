@@ -9,6 +9,14 @@ seed, the same run is trained once per uniform cut and once per planner
 first reached the target test accuracy. The host's FLOP/s are measured once and
 fixed for every run, so the clock converts every run's compute the same way.
 
+Accuracy is compared two ways. At equal rounds: each method's test accuracy
+after the configured rounds. At equal virtual time: every method trains for at
+least the virtual time the best uniform cut took for its rounds (a planner
+whose rounds are shorter, e.g. because it selects devices, runs more rounds),
+and its accuracy there is the mean over its last three evaluations by that
+time (one evaluation swings by a point or two under label skew). The second is
+the fair one for planners that trade clients per round for shorter rounds.
+
 It also checks the planner itself (its makespan against brute force on random
 instances of up to 6 clients x 6 cuts, and the time to plan 1,000 clients x 20
 cuts) and writes ``planner.csv``, ``planner.json`` and ``planner.png`` into the
@@ -25,7 +33,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -59,6 +67,8 @@ class RunResult:
     best_accuracy: float
     max_memory_over_budget: float  # measured peak / budget, worst client-round (0: none)
     curve: tuple[tuple[float, float], ...] = ()  # (virtual time, test accuracy) per round
+    rounds: int = 0
+    accuracy_at_budget: float = math.nan  # mean of the last evaluations by the time budget
 
 
 def time_to_target(history: Sequence[dict], target: float) -> float:
@@ -70,8 +80,9 @@ def time_to_target(history: Sequence[dict], target: float) -> float:
 
 
 def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
-             host_flops: dict[int, float], target: float) -> RunResult:
-    """Train one configuration in this process and read its clock."""
+             host_flops: dict[int, float], target: float, rounds: int | None = None
+             ) -> RunResult:
+    """Train one configuration in this process (``rounds``: override the round count)."""
     from experiments.local import run_local
 
     if method.startswith("cut="):
@@ -81,6 +92,8 @@ def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
     else:
         choice = [f"planner={method}"]
     by_cut = "{" + ", ".join(f"{c}: {f}" for c, f in host_flops.items()) + "}"
+    if rounds is not None:
+        choice.append(f"strategy.num_rounds={rounds}")
     cfg = compose_config([f"+scenario={scenario}", *PLANNER_DEFAULTS, *overrides, *choice,
                           f"seed={seed}", f"devices.host_flops_per_s={min(host_flops.values())}",
                           f"+devices.host_flops_by_cut={by_cut}"])
@@ -93,30 +106,37 @@ def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
         float(final["test_accuracy"]), max(float(r["test_accuracy"]) for r in history),
         max((float(r.get("memory_over_budget", 0.0)) for r in history), default=0.0),
         tuple((float(r["virtual_time_s"]), float(r["test_accuracy"])) for r in history),
+        rounds=int(final["round"]),
     )
 
 
-def accuracy_at(curve: Sequence[tuple[float, float]], seconds: float) -> float:
-    """Test accuracy of the last round finished by ``seconds`` of virtual time."""
-    return max(((t, a) for t, a in curve if t <= seconds), default=(0.0, 0.0))[1]
+def run_for_budget(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
+                   host_flops: dict[int, float], target: float, rounds: int,
+                   budget_s: float) -> RunResult:
+    """Train ``rounds`` rounds, or more if they end before ``budget_s`` of virtual time.
 
-
-def selection_at_equal_time(results: Sequence[RunResult]) -> dict[str, float] | None:
-    """SmartSplit's selection vs random selection, accuracy at the same virtual time.
-
-    Per seed, the time is the shorter of the two runs' total virtual times.
+    The longer run replaces the first (a run is not repeatable to the bit with
+    two clients in flight, so the two are not spliced).
     """
-    pairs = []
-    for smart in (r for r in results if r.method == "smartsplit"):
-        rand = next((r for r in results if r.method == RANDOM_SELECTION
-                     and r.seed == smart.seed and r.scenario == smart.scenario), None)
-        if rand is not None:
-            seconds = min(smart.virtual_time_s, rand.virtual_time_s)
-            pairs.append((accuracy_at(smart.curve, seconds), accuracy_at(rand.curve, seconds)))
-    if not pairs:
-        return None
-    return {"smartsplit": statistics.fmean(p[0] for p in pairs),
-            "random": statistics.fmean(p[1] for p in pairs)}
+    result = run_once(scenario, seed, method, overrides, host_flops=host_flops, target=target)
+    if result.virtual_time_s < budget_s and result.virtual_time_s > 0:
+        more = math.ceil(rounds * budget_s / result.virtual_time_s) + 1
+        result = run_once(scenario, seed, method, overrides, host_flops=host_flops,
+                          target=target, rounds=more)
+        result = replace(result, final_accuracy=accuracy_after(result, rounds))
+    return at_budget(result, budget_s)
+
+
+def at_budget(result: RunResult, budget_s: float, *, last: int = 3) -> RunResult:
+    """Fill in the mean accuracy of the last ``last`` evaluations by ``budget_s``."""
+    by_then = [a for t, a in result.curve[1:] if t <= budget_s * (1 + 1e-9)]
+    accuracy = statistics.fmean(by_then[-last:]) if by_then else 0.0
+    return replace(result, accuracy_at_budget=accuracy)
+
+
+def accuracy_after(result: RunResult, rounds: int) -> float:
+    """Test accuracy after ``rounds`` rounds (the last one if the run was shorter)."""
+    return result.curve[min(rounds, len(result.curve) - 1)][1]
 
 
 def mean_time(results: Sequence[RunResult]) -> float:
@@ -133,6 +153,8 @@ def summarise(results: Sequence[RunResult], cuts: Sequence[int]) -> dict:
         times = {m: mean_time([r for r in mine if r.method == m]) for m in methods}
         finals = {m: statistics.fmean(r.final_accuracy for r in mine if r.method == m)
                   for m in methods}
+        at_time = {m: statistics.fmean(r.accuracy_at_budget for r in mine if r.method == m)
+                   for m in methods}
         uniform = {f"cut={c}": times[f"cut={c}"] for c in cuts if f"cut={c}" in times}
         planners = {m: times[m] for m in PLANNERS if m in times}
         best_planner = min(planners, key=planners.get)  # type: ignore[arg-type]
@@ -140,14 +162,18 @@ def summarise(results: Sequence[RunResult], cuts: Sequence[int]) -> dict:
         worst_uniform = max(uniform, key=uniform.get)  # type: ignore[arg-type]
         summary[scenario] = {
             "time_to_target_s": times, "final_accuracy": finals,
+            "accuracy_at_equal_time": at_time,
             "best_planner": best_planner, "best_uniform": best_uniform,
             "worst_uniform": worst_uniform,
             "reduction_vs_best_uniform": reduction(planners[best_planner], uniform[best_uniform]),
             "reduction_vs_worst_uniform": reduction(planners[best_planner],
                                                     uniform[worst_uniform]),
             "reduction_vs_greedy": reduction(planners[best_planner], planners.get("greedy")),
-            "accuracy_gap_vs_best_uniform": finals[best_planner] - finals[best_uniform],
-            "selection_at_equal_time": selection_at_equal_time(mine),
+            "accuracy_gap_vs_best_uniform": at_time[best_planner] - at_time[best_uniform],
+            "accuracy_gap_at_equal_rounds": finals[best_planner] - finals[best_uniform],
+            # SmartSplit's selection against a random choice among the feasible devices.
+            "selection_vs_random_at_equal_time": {
+                m: at_time[m] for m in ("smartsplit", RANDOM_SELECTION) if m in at_time},
             "max_memory_over_budget": max(r.max_memory_over_budget for r in mine),
         }
     return summary
@@ -213,8 +239,13 @@ def plot(results: Sequence[RunResult], path: Path, *, target: float) -> None:
 
 
 def bench_planner(overrides: Sequence[str], *, seeds: int = 3, target: float = 0.9,
-                  out_dir: Path | None = None) -> dict:
-    """Run every method on every scenario and seed; print and return the summary."""
+                  out_dir: Path | None = None, scenarios: Sequence[str] | None = None,
+                  methods: Sequence[str] | None = None) -> dict:
+    """Run every method on every scenario and seed; print and return the summary.
+
+    ``scenarios`` and ``methods`` (planner names) narrow the run; the uniform
+    cuts always run, as the reference.
+    """
     from server.app import host_flops_by_cut
     from splitlearn.config import to_object
     from splitlearn.models.factory import build_model_from_config
@@ -229,28 +260,44 @@ def bench_planner(overrides: Sequence[str], *, seeds: int = 3, target: float = 0
     print(f"host GFLOP/s by cut {({c: round(f / 1e9, 2) for c, f in host_flops.items()})}; "
           f"target {target}; {seeds} seeds; results in {out_dir}", flush=True)
     results: list[RunResult] = []
-    methods = [f"cut={c}" for c in cuts] + [*PLANNERS, RANDOM_SELECTION]
-    for scenario in SCENARIOS:
+    uniform = [f"cut={c}" for c in cuts]
+    planners = [m for m in (*PLANNERS, RANDOM_SELECTION) if methods is None or m in methods]
+    rounds = int(base.strategy.num_rounds)
+
+    def timed(run, *args, **kwargs) -> RunResult:  # type: ignore[no-untyped-def]
+        started = time.perf_counter()
+        result = run(*args, overrides, host_flops=host_flops, target=target, **kwargs)
+        print(f"{result.scenario:>13} seed {result.seed} {result.method:>17}: time to "
+              f"{target:.0%} {result.time_to_target_s:8.1f} s, accuracy after {rounds} rounds "
+              f"{result.final_accuracy:.4f} ({result.rounds} rounds, "
+              f"{time.perf_counter() - started:.0f} s wall)", flush=True)
+        return result
+
+    for scenario in scenarios or SCENARIOS:
+        mine = [timed(run_once, scenario, seed, method)
+                for seed in range(seeds) for method in uniform]
+        # Equal time: what the best uniform cut (by mean time to target) took, per seed.
+        best = min(uniform, key=lambda m: mean_time([r for r in mine if r.method == m]))
+        budget = {r.seed: r.virtual_time_s for r in mine if r.method == best}
+        results.extend(at_budget(r, budget[r.seed]) for r in mine)
         for seed in range(seeds):
-            for method in methods:
-                started = time.perf_counter()
-                result = run_once(scenario, seed, method, overrides, host_flops=host_flops,
-                                  target=target)
-                results.append(result)
-                print(f"{scenario:>13} seed {seed} {method:>10}: time to {target:.0%} "
-                      f"{result.time_to_target_s:8.1f} s, final acc "
-                      f"{result.final_accuracy:.4f} ({time.perf_counter() - started:.0f} s wall)",
-                      flush=True)
+            for method in planners:
+                results.append(timed(run_for_budget, scenario, seed, method, rounds=rounds,
+                                     budget_s=budget[seed]))
                 write_rows(results, out_dir / "planner.csv")
     summary = summarise(results, cuts) | {"solver": check_solver()}
     (out_dir / "planner.json").write_text(json.dumps(summary, indent=2, default=str))
     plot(results, out_dir / "planner.png", target=target)
+    for scenario in SCENARIOS:
+        if scenario in summary:
+            print(f"{scenario}: accuracy at equal virtual time "
+                  f"{json.dumps(summary[scenario]['accuracy_at_equal_time'])}")
     last = {key: min((s[key] for s in summary.values() if isinstance(s, dict) and key in s
                       and s[key] is not None), default=None)
             for key in ("reduction_vs_best_uniform", "reduction_vs_worst_uniform",
                         "reduction_vs_greedy")}
-    last["accuracy_gap_vs_best_uniform"] = min(
-        summary[s]["accuracy_gap_vs_best_uniform"] for s in SCENARIOS if s in summary)
+    for key in ("accuracy_gap_vs_best_uniform", "accuracy_gap_at_equal_rounds"):
+        last[key] = min(summary[s][key] for s in SCENARIOS if s in summary)
     last |= {"solver_worst_gap": summary["solver"]["worst_gap_vs_brute_force"],
              "plan_1000x20_s": summary["solver"]["plan_1000x20_s"]}
     for scenario in SCENARIOS:

@@ -224,7 +224,8 @@ class PlannerConfig:
     every: int = 5  # dynsl: re-plan every R rounds
     hysteresis: float = 0.05  # dynsl: a move must gain (1 + h) x its cost, and h x the round
     select_fraction: float = 1.0  # smartsplit: share of the clients that train per round
-    pool_factor: float = 1.5  # smartsplit: candidates by utility, as a multiple of those chosen
+    exploration: float = 0.1  # smartsplit: weight of the staleness bonus (Oort's 0.1)
+    straggler_penalty: float = 2.0  # smartsplit: exponent of the slow-device penalty (Oort's 2)
     selection: str = "utility"  # smartsplit: utility | random (the baseline among feasible ones)
     checkpointing: bool = True  # planners may ask a device to checkpoint its activations
     smoothing: float = 0.5  # weight of the newest measurement in the running estimates
@@ -248,8 +249,9 @@ class PlannerConfig:
             )
         if self.selection not in ("utility", "random"):
             raise ValueError(f"planner.selection={self.selection!r}; accepted: utility, random")
-        if self.pool_factor < 1:
-            raise ValueError(f"planner.pool_factor must be >= 1, got {self.pool_factor}")
+        for key in ("exploration", "straggler_penalty"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"planner.{key} must be >= 0, got {getattr(self, key)}")
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"planner.smoothing must be in (0, 1], got {self.smoothing}")
 

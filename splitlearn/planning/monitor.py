@@ -15,10 +15,11 @@ exponentially weighted moving average of each::
 * The memory budget, samples, batches, label coverage and cut are taken as
   last reported, not averaged: a budget is a limit (averaging could plan
   above it) and the workload is configuration.
-* ``utility = label_coverage x loss / mean loss`` over the clients that
-  reported a loss (a client with higher recent loss has more to teach); a
-  factor that is unknown counts as 1, so a client that reported neither has
-  utility 1.0.
+* ``utility = label_coverage x (samples / mean samples) x (loss / mean loss)``
+  over the clients that reported them: Oort's statistical utility (a client
+  with more data, and with higher recent loss on it, has more to teach), times
+  the share of the classes it holds. A factor that is unknown counts as 1, so
+  a client that reported nothing has utility 1.0.
 """
 
 from __future__ import annotations
@@ -155,18 +156,21 @@ class ClientMonitor:
         return replace(prior, client=client, utility=self.utility(client), **updates)
 
     def utility(self, client: str) -> float:
-        """``label_coverage x loss / mean loss`` (unknown factors count as 1)."""
+        """``label_coverage x samples / mean x loss / mean`` (unknown factors count as 1)."""
         known = self._known.get(client, _Estimates())
         coverage = 1.0 if known.label_coverage is None else known.label_coverage
-        return coverage * self._relative_loss(known.loss)
+        samples = self._relative(known.samples, [k.samples for k in self._known.values()])
+        loss = self._relative(known.loss, [k.loss for k in self._known.values()])
+        return coverage * samples * loss
 
-    def _relative_loss(self, loss: float | None) -> float:
-        """Divide ``loss`` by the mean loss of the clients that reported one (1.0 if unknown)."""
-        losses = [k.loss for k in self._known.values() if k.loss is not None]
-        mean = sum(losses) / len(losses) if losses else 0.0
-        if loss is None or mean <= 0:
+    @staticmethod
+    def _relative(value: float | None, reported: list[float | None]) -> float:
+        """Divide ``value`` by the mean of the values reported (1.0 when unknown)."""
+        known = [v for v in reported if v is not None]
+        mean = sum(known) / len(known) if known else 0.0
+        if value is None or mean <= 0:
             return 1.0
-        return loss / mean
+        return value / mean
 
     def _smooth(self, estimate: float | None, measured: float | None) -> float | None:
         """One EWMA step; a missing measurement leaves the estimate as it was."""

@@ -11,13 +11,14 @@ with or without checkpointing? Plans are scored with the same cost model
   shared trunk serialises clients (the usual per-client adaptive baseline).
 * :class:`DynSLPlanner`: exact per-client cuts re-planned every ``R`` rounds,
   moving clients only when the gain pays for the move.
-* :class:`SmartSplitPlanner`: memory-aware device selection with
-  checkpointing, exact over a utility-ranked pool.
+* :class:`SmartSplitPlanner`: memory-aware device selection (data utility,
+  staleness and speed) with exact cuts and checkpointing.
 * :class:`OraclePlanner`: exhaustive search (small fleets only).
 * :class:`RotatePlanner`: a diagnostic that moves every client's cut each round.
 
 All take a privacy floor (``min_cut``) and ``forbidden_cuts``
-(:func:`privacy_floor`). Only :class:`DynSLPlanner` keeps state (its last plan).
+(:func:`privacy_floor`). Only :class:`DynSLPlanner` (its last plan) and
+:class:`SmartSplitPlanner` (when each client was last selected) keep state.
 """
 
 from __future__ import annotations
@@ -324,24 +325,38 @@ class SmartSplitPlanner(FlooredPlanner):
     """SmartSplit: memory-aware device selection, exact cuts with checkpointing.
 
     Per round: (a) devices that fit no cut even with checkpointing are
-    excluded; (b) the rest are ranked by ``utility`` (descending; ties: the
-    faster predicted ``T + W``, then input order) and the top
-    ``ceil(pool_factor x m)`` form the pool, where
-    ``m = max(1, round(select_fraction x #clients given))``; (c) the pool is
-    solved exactly with ``select=m`` and checkpointing allowed (it costs
-    recompute FLOPs, so the solver takes it only to fit or to reach a faster cut).
+    excluded; (b) of the rest, the ``m = max(1, round(select_fraction x n))``
+    of highest score train, where (after Oort, Lai et al., OSDI 2021)::
+
+        score_i = (utility_i / max utility + exploration x sqrt(ln r / last_i))
+                  x min(1, deadline / t_i) ** straggler_penalty
+
+    ``utility`` is the client's statistical utility (the monitor's data
+    utility), ``last_i`` the round it was last selected (never selected:
+    first in line, fastest first), ``t_i`` its fastest predicted time at any
+    cut it fits and ``deadline`` the m-th smallest of those (the round m
+    devices could make); ties go to the faster device, then input order;
+    (c) the selected devices' cuts and checkpointing are solved exactly
+    (checkpointing costs recompute FLOPs, so the solver takes it only to fit
+    or to reach a faster cut).
+
+    Without the staleness bonus the same fast devices would train every round
+    and, under label skew, the model would learn their labels only; without
+    the penalty a straggler would set every round's length.
 
     Parameters
     ----------
     select_fraction : float
         Share of the given clients that train, in (0, 1].
-    pool_factor : float
-        Pool size relative to ``m``, >= 1.
+    exploration : float
+        Weight of the staleness bonus, >= 0 (Oort's 0.1).
+    straggler_penalty : float
+        Exponent of the slow-device penalty, >= 0 (Oort's 2; 0: none).
     selection : str
         ``"utility"`` as above, or ``"random"``: ``m`` feasible devices drawn
         at random each round (seeded by ``seed`` and the round), their cuts
-        and checkpointing still solved exactly — the baseline that shows what
-        the utility ranking and the makespan-aware choice buy.
+        and checkpointing still solved exactly: the baseline that shows what
+        the scoring buys.
     seed : int
         Seed of the random selection.
     min_cut, forbidden_cuts
@@ -353,7 +368,8 @@ class SmartSplitPlanner(FlooredPlanner):
     def __init__(
         self,
         select_fraction: float = 0.5,
-        pool_factor: float = 2.0,
+        exploration: float = 0.1,
+        straggler_penalty: float = 2.0,
         *,
         selection: str = "utility",
         seed: int = 0,
@@ -363,15 +379,20 @@ class SmartSplitPlanner(FlooredPlanner):
     ) -> None:
         if not 0 < select_fraction <= 1:
             raise ValueError(f"select_fraction must lie in (0, 1], got {select_fraction}")
-        if pool_factor < 1:
-            raise ValueError(f"pool_factor must be >= 1, got {pool_factor}")
+        if exploration < 0:
+            raise ValueError(f"exploration must be >= 0, got {exploration}")
+        if straggler_penalty < 0:
+            raise ValueError(f"straggler_penalty must be >= 0, got {straggler_penalty}")
         if selection not in ("utility", "random"):
             raise ValueError(f"selection must be 'utility' or 'random', got {selection!r}")
         self.selection = selection
         self.seed = seed
         self.select_fraction = select_fraction
-        self.pool_factor = pool_factor
+        self.exploration = exploration
+        self.straggler_penalty = straggler_penalty
         super().__init__(min_cut=min_cut, forbidden_cuts=forbidden_cuts, shared_trunk=shared_trunk)
+        # The planner's memory: the round each client was last selected.
+        self.last_selected: dict[str, int] = {}
 
     def selection_size(self, num_clients: int) -> int:
         """``m``: how many of ``num_clients`` given clients train (at least one)."""
@@ -385,35 +406,48 @@ class SmartSplitPlanner(FlooredPlanner):
         *,
         trunk_flops_per_s: float,
     ) -> Plan:
-        """Select a utility-ranked pool and solve it exactly (see :class:`Planner`)."""
+        """Select the ``m`` best-scored devices and solve their cuts (see :class:`Planner`)."""
         options, excluded = self.options(
             clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_checkpoint=True
         )
         m = self.selection_size(len(clients))
+        feasible = [i for i, opts in enumerate(options) if opts]
         if self.selection == "random":
-            feasible = [i for i, opts in enumerate(options) if opts]
             rng = random.Random(f"{self.seed}/{server_round}")
-            pool = set(rng.sample(feasible, min(m, len(feasible))))
+            selected = set(rng.sample(feasible, min(m, len(feasible))))
         else:
-            pool = _utility_pool(clients, options, math.ceil(self.pool_factor * m))
-        for i, opts in enumerate(options):
-            if opts and i not in pool:
-                excluded[clients[i].client] = f"not selected (outside the {self.selection} pool)"
-        in_pool = [opts if i in pool else [] for i, opts in enumerate(options)]
-        chosen = choose_options(in_pool, select=m, shared_trunk=self.shared_trunk)
-        return plan_from_choices(clients, chosen, excluded, shared_trunk=self.shared_trunk)
+            selected = set(self.ranked(server_round, clients, options)[:m])
+        for i in feasible:
+            if i not in selected:
+                excluded[clients[i].client] = f"not selected ({self.selection} selection)"
+        in_pool = [opts if i in selected else [] for i, opts in enumerate(options)]
+        chosen = choose_options(in_pool, select=None, shared_trunk=self.shared_trunk)
+        plan = plan_from_choices(clients, chosen, excluded, shared_trunk=self.shared_trunk)
+        self.last_selected.update((a.client, server_round) for a in plan.assignments)
+        return plan
 
+    def ranked(
+        self, server_round: int, clients: Sequence[ClientState],
+        options: Sequence[Sequence[Option]],
+    ) -> list[int]:
+        """Return the feasible clients' indices, best score first (see the class docstring)."""
+        fastest = {i: min(o.client_s for o in opts) for i, opts in enumerate(options) if opts}
+        if not fastest:
+            return []
+        m = min(self.selection_size(len(clients)), len(fastest))
+        deadline = sorted(fastest.values())[m - 1]
+        top = max(clients[i].utility for i in fastest)
 
-def _utility_pool(
-    clients: Sequence[ClientState], options: Sequence[Sequence[Option]], size: int
-) -> set[int]:
-    """Pick the ``size`` feasible clients of highest utility (ties: faster, then first)."""
-    ranked = sorted(
-        (-clients[i].utility, min(o.client_s + o.trunk_s for o in opts), i)
-        for i, opts in enumerate(options)
-        if opts
-    )
-    return {i for *_, i in ranked[:size]}
+        def score(i: int) -> float:
+            last = self.last_selected.get(clients[i].client)
+            if last is None:
+                return math.inf  # never tried: explore first
+            utility = clients[i].utility / top if top > 0 else 0.0
+            stale = math.sqrt(math.log(server_round) / last) if server_round > 1 else 0.0
+            slow = min(1.0, deadline / fastest[i]) if fastest[i] > 0 else 1.0
+            return (utility + self.exploration * stale) * slow**self.straggler_penalty
+
+        return sorted(fastest, key=lambda i: (-score(i), fastest[i], i))
 
 
 class OraclePlanner(FlooredPlanner):

@@ -58,3 +58,19 @@ def test_splitfed_v2_with_moving_cuts_trains_and_charges_the_weights_it_moves(tm
     # A deeper cut receives (and returns) more stages: moving a cut moves weights.
     sizes = [next(iter(by_cut[c])) for c in sorted(by_cut)]
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
+
+
+def test_smartsplit_selects_half_the_fleet_and_brings_back_the_rest(tmp_path):
+    """Through the engine: m = 2 of 4 alike clients train per round, and the two left out
+    in round 1 are first in line in round 2 (never tried), so no client is starved."""
+    run_dir = run_experiment(tmp_path, "strategy=splitfed_v2", "planner=smartsplit",
+                             "planner.select_fraction=0.5", "strategy.num_rounds=2",
+                             "num_clients=4", "logger=none")
+    trained = {}
+    for r in read_clients(run_dir):
+        if r["status"] == "ok":
+            trained.setdefault(r["round"], set()).add(r["client"])
+    assert [len(trained[r]) for r in ("1", "2")] == [2, 2]
+    assert trained["1"].isdisjoint(trained["2"])
+    rounds = rounds_of(run_dir)
+    assert rounds[2]["test_loss"] < rounds[1]["test_loss"] < rounds[0]["test_loss"]

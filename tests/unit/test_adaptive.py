@@ -94,7 +94,7 @@ def test_each_client_gets_the_stages_below_its_planned_cut_and_the_merge_covers_
 
 
 def test_the_planner_learns_budgets_from_declines_and_the_trunk_speed_from_its_books():
-    planner = SmartSplitPlanner(select_fraction=1.0, pool_factor=1.0)
+    planner = SmartSplitPlanner(select_fraction=1.0)
     strategy, model, trunk, planning = make_splitfed(planner)
     costs = {c.cut: c for c in cut_costs(model, batch_size=8)}
     budget = costs[1].memory_bytes  # fits cut 1 plainly, nothing deeper without checkpointing
@@ -159,6 +159,9 @@ def test_planner_settings_are_typed_and_checked_at_composition():
         PlannerConfig(name="fastest")
     with pytest.raises(ValueError, match="planner.select_fraction"):
         PlannerConfig(name="smartsplit", select_fraction=0.0)
+    for key in ("exploration", "straggler_penalty"):
+        with pytest.raises(ValueError, match=f"planner.{key} must be >= 0"):
+            PlannerConfig(name="smartsplit", **{key: -0.5})
     cfg = compose_config(["+scenario=dynamic", "planner=smartsplit"])
     assert cfg.planner.name == "smartsplit" and len(cfg.devices.traces) == 3
     check_config(cfg)

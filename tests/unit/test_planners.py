@@ -187,7 +187,7 @@ def test_dynsl_replans_exactly() -> None:
 def test_smartsplit_selects_m_of_the_clients() -> None:
     cuts = [cut_cost(1, client_flops=1, server_flops=1)]
     clients = [client_state(f"c{i}", flops=1 + i) for i in range(10)]
-    plan = SmartSplitPlanner(select_fraction=0.3, pool_factor=2).plan(
+    plan = SmartSplitPlanner(select_fraction=0.3).plan(
         1, clients, cuts, trunk_flops_per_s=1.0
     )
     assert len(plan.assignments) == 3
@@ -230,7 +230,7 @@ def test_smartsplit_checkpoints_to_fit_a_small_budget_only() -> None:
         client_state("roomy", memory=1000),
         client_state("tiny", memory=30),
     ]
-    plan = SmartSplitPlanner(select_fraction=1.0, pool_factor=1).plan(
+    plan = SmartSplitPlanner(select_fraction=1.0).plan(
         1, clients, cuts, trunk_flops_per_s=1.0
     )
     by_client = {a.client: (a.cut, a.checkpoint) for a in plan.assignments}
@@ -252,31 +252,55 @@ def test_smartsplit_checkpoints_when_it_unlocks_a_faster_cut() -> None:
     assert [(a.cut, a.checkpoint) for a in plan.assignments] == [(2, True)]
 
 
-def test_smartsplit_prefers_high_utility_devices_within_its_pool() -> None:
+def test_smartsplit_explores_every_device_once_fastest_first() -> None:
+    cuts = [cut_cost(1, client_flops=1, server_flops=1)]
+    clients = [client_state(f"c{i}", flops=10 - i) for i in range(6)]
+    planner = SmartSplitPlanner(select_fraction=0.5)
+    first = cuts_of(planner.plan(1, clients, cuts, trunk_flops_per_s=1.0))
+    second = cuts_of(planner.plan(2, clients, cuts, trunk_flops_per_s=1.0))
+    assert set(first) == {"c0", "c1", "c2"}
+    assert set(second) == {"c3", "c4", "c5"}  # the unexplored ones, however slow
+
+
+def test_smartsplit_prefers_useful_devices_and_penalises_stragglers() -> None:
     cuts = [cut_cost(1, client_flops=1, server_flops=1)]
     clients = [
-        client_state("fast-dull", flops=100, utility=0.1),
-        client_state("slow-rich", flops=0.5, utility=0.9),
-        client_state("fast-dull-2", flops=100, utility=0.2),
-        client_state("mid-rich", flops=1, utility=0.8),
+        client_state("fast-dull", flops=1, utility=0.1),  # 1 s
+        client_state("slow-rich", flops=0.25, utility=0.9),  # 4 s
+        client_state("fast-dull-2", flops=1, utility=0.2),  # 1 s
+        client_state("mid-rich", flops=0.8, utility=0.8),  # 1.25 s
     ]
-    narrow = SmartSplitPlanner(select_fraction=0.5, pool_factor=1).plan(
-        1, clients, cuts, trunk_flops_per_s=1.0
-    )
-    assert set(cuts_of(narrow)) == {"slow-rich", "mid-rich"}
-    # A wider pool lets speed decide among more devices.
-    wide = SmartSplitPlanner(select_fraction=0.5, pool_factor=2).plan(
-        1, clients, cuts, trunk_flops_per_s=1.0
-    )
-    assert set(cuts_of(wide)) == {"fast-dull", "fast-dull-2"}
-    assert wide.makespan_s < narrow.makespan_s
+
+    def second_round(penalty: float) -> set[str]:
+        planner = SmartSplitPlanner(select_fraction=0.5, exploration=0.0,
+                                    straggler_penalty=penalty)
+        planner.last_selected = dict.fromkeys([c.client for c in clients], 1)  # all explored
+        return set(cuts_of(planner.plan(2, clients, cuts, trunk_flops_per_s=1.0)))
+
+    assert second_round(0.0) == {"slow-rich", "mid-rich"}  # utility alone
+    # Oort's penalty against the deadline (the 2nd fastest time, 1 s): slow-rich scores
+    # (0.9 / 0.9) x (1/4)^2 = 0.06, mid-rich (0.8 / 0.9) x 0.8^2 = 0.57, fast-dull-2 0.22.
+    assert second_round(2.0) == {"fast-dull-2", "mid-rich"}
+
+
+def test_smartsplit_brings_back_devices_left_out_longest() -> None:
+    cuts = [cut_cost(1, client_flops=1, server_flops=1)]
+    clients = [client_state(f"c{i}") for i in range(9)]  # alike: only staleness differs
+    planner = SmartSplitPlanner(select_fraction=1 / 3)
+    picks = [set(cuts_of(planner.plan(r, clients, cuts, trunk_flops_per_s=1.0)))
+             for r in range(1, 10)]
+    assert all(len(p) == 3 for p in picks)
+    # Three rounds explore; then the least recently selected come back, in turn.
+    assert picks[3:6] == picks[0:3] and picks[6:9] == picks[0:3]
 
 
 def test_smartsplit_validates_its_options() -> None:
     with pytest.raises(ValueError, match="select_fraction"):
         SmartSplitPlanner(select_fraction=0)
-    with pytest.raises(ValueError, match="pool_factor"):
-        SmartSplitPlanner(pool_factor=0.5)
+    with pytest.raises(ValueError, match="exploration"):
+        SmartSplitPlanner(exploration=-0.1)
+    with pytest.raises(ValueError, match="straggler_penalty"):
+        SmartSplitPlanner(straggler_penalty=-1)
 
 
 # --- oracle --------------------------------------------------------------------
@@ -428,16 +452,19 @@ def test_monitor_memory_is_the_latest_report_not_an_average() -> None:
     assert monitor.state("a", PRIOR).memory_bytes == 2e8
 
 
-def test_monitor_utility_is_coverage_times_relative_loss() -> None:
+def test_monitor_utility_is_coverage_times_relative_samples_and_loss() -> None:
     monitor = ClientMonitor(alpha=1.0)
     monitor.observe("a", **ROUND, loss=3.0, label_coverage=0.5)
     monitor.observe("b", **ROUND, loss=1.0)
     monitor.observe("c", **ROUND, label_coverage=0.4)
-    assert monitor.utility("a") == pytest.approx(0.5 * 3.0 / 2.0)
-    assert monitor.utility("b") == pytest.approx(1.0 / 2.0)
-    assert monitor.utility("c") == pytest.approx(0.4)
+    monitor.observe("d", **(ROUND | {"samples": 256}))
+    mean_samples = (3 * 64 + 256) / 4
+    assert monitor.utility("a") == pytest.approx(0.5 * 64 / mean_samples * 3.0 / 2.0)
+    assert monitor.utility("b") == pytest.approx(64 / mean_samples * 1.0 / 2.0)
+    assert monitor.utility("c") == pytest.approx(0.4 * 64 / mean_samples)
+    assert monitor.utility("d") == pytest.approx(256 / mean_samples)
     assert monitor.utility("never-seen") == 1.0
-    assert monitor.state("a", PRIOR).utility == pytest.approx(0.75)
+    assert monitor.state("a", PRIOR).utility == monitor.utility("a")
 
 
 def test_monitor_rejects_a_bad_alpha() -> None:

@@ -1,0 +1,58 @@
+"""The planner benchmark's bookkeeping: time to target, equal-time accuracy, reductions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from experiments.planner_bench import (
+    RunResult,
+    accuracy_after,
+    at_budget,
+    summarise,
+    time_to_target,
+)
+
+
+def run(method: str, curve: list[tuple[float, float]], *, seed: int = 0,
+        scenario: str = "s") -> RunResult:
+    history = [{"round": r, "virtual_time_s": t, "test_accuracy": a}
+               for r, (t, a) in enumerate(curve)]
+    return RunResult(scenario, seed, method, time_to_target(history, 0.9), curve[-1][0],
+                     curve[-1][1], max(a for _, a in curve), 0.0, tuple(curve),
+                     rounds=len(curve) - 1)
+
+
+def test_time_to_target_is_the_end_of_the_first_round_at_target() -> None:
+    history = [{"round": 0, "virtual_time_s": 0.0, "test_accuracy": 0.95},  # before training
+               {"round": 1, "virtual_time_s": 3.0, "test_accuracy": 0.5},
+               {"round": 2, "virtual_time_s": 7.0, "test_accuracy": 0.91}]
+    assert time_to_target(history, 0.9) == 7.0
+    assert time_to_target(history, 0.99) == math.inf
+
+
+def test_accuracy_at_budget_averages_the_last_evaluations_by_then() -> None:
+    result = run("p", [(0, 0.1), (1, 0.5), (2, 0.7), (3, 0.8), (4, 0.9), (5, 1.0)])
+    assert at_budget(result, 4.0).accuracy_at_budget == pytest.approx((0.7 + 0.8 + 0.9) / 3)
+    assert at_budget(result, 1.5).accuracy_at_budget == pytest.approx(0.5)  # one round by then
+    assert at_budget(result, 0.5).accuracy_at_budget == 0.0  # no round finished
+    assert accuracy_after(result, 2) == 0.7 and accuracy_after(result, 99) == 1.0
+
+
+def test_summary_reductions_and_accuracy_gaps() -> None:
+    uniform = {"cut=1": [(0, 0.1), (10, 0.5), (20, 0.92)],
+               "cut=2": [(0, 0.1), (5, 0.91), (10, 0.95)]}
+    planners = {"greedy": [(0, 0.1), (6, 0.95), (12, 0.96)],
+                "smartsplit": [(0, 0.1), (3, 0.8), (4, 0.93), (7, 0.94), (10, 0.96)]}
+    results = [at_budget(run(m, c), 10.0) for m, c in (uniform | planners).items()]
+    summary = summarise(results, cuts=[1, 2])["s"]
+    assert summary["best_uniform"] == "cut=2" and summary["worst_uniform"] == "cut=1"
+    assert summary["best_planner"] == "smartsplit"
+    assert summary["reduction_vs_best_uniform"] == pytest.approx(1 - 4 / 5)
+    assert summary["reduction_vs_worst_uniform"] == pytest.approx(1 - 4 / 20)
+    assert summary["reduction_vs_greedy"] == pytest.approx(1 - 4 / 6)
+    # At equal time (10 s): the mean of the last three evaluations after training began.
+    assert summary["accuracy_gap_vs_best_uniform"] == pytest.approx(
+        (0.93 + 0.94 + 0.96) / 3 - (0.91 + 0.95) / 2)
+    assert summary["accuracy_gap_at_equal_rounds"] == pytest.approx(0.96 - 0.95)
