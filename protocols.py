@@ -139,6 +139,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(
             f"privacy=activation_gaussian protects activations; strategy={protocol.name} sends none"
         )
+    check_privacy_source(config, model)
     check_planner(config, protocol, model)
     build_fleet(num_clients=config.num_clients, mix=config.devices.mix,
                 profiles={k: vars(v) for k, v in config.devices.profiles.items()},
@@ -148,6 +149,19 @@ def check_config(cfg: DictConfig) -> None:
             f"strategy.min_train_nodes={config.strategy.min_train_nodes} exceeds "
             f"num_clients={config.num_clients}: no round could start"
         )
+
+
+def check_privacy_source(config: Config, model: SplittableModel) -> None:
+    """Refuse a model whose client side the privacy option cannot protect (ValueError)."""
+    from splitlearn.privacy import PRIVACY_OPTIONS
+    from splitlearn.split import split
+
+    bottom, _ = split(model, config.model.cut)
+    try:
+        PRIVACY_OPTIONS[config.privacy.name].check_source(bottom)
+    except ValueError as err:
+        raise ValueError(f"model={config.model.name} at model.cut={config.model.cut}: {err}"
+                         ) from err
 
 
 def check_planner(config: Config, protocol: Protocol, model: SplittableModel) -> None:

@@ -149,6 +149,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
                       + (" with checkpointing" if rnd.checkpoint else ""))
     loader = rnd.loader()
     privacy = make_client_privacy(spec.privacy, loader)
+    privacy.check_source(step.bottom)
     accountant = _load_accountant(context)
     try:
         # The whole round is charged before anything leaves the device.
@@ -246,15 +247,28 @@ def evaluate(rnd: ClientRound, msg: Message, context: Context, open_channel: Cha
     step = rnd.step(msg.content["arrays"])
     loader = rnd.loader()
     privacy = make_client_privacy(spec.privacy, loader)
+    privacy.check_source(step.bottom)
     step.release = privacy.release  # evaluation frames leave as training frames do
-    data = DataLoader(loader.dataset, batch_size=spec.strategy.batch_size)
-    channel = open_channel(rnd.trunk_address, rnd.token, spec) if step.needs_channel else None
+    accountant = _load_accountant(context)
     try:
-        loss, accuracy, examples = evaluate_round(step, channel, data)
+        if privacy.protects_activations:
+            # An evaluation releases every local example once more: charged as an epoch,
+            # before anything leaves, so a server cannot average repeated evaluations.
+            accountant.spend(privacy.round_steps(epochs=1), delta=spec.privacy.delta,
+                             epsilon_max=spec.privacy.epsilon_max)
+        data = DataLoader(loader.dataset, batch_size=spec.strategy.batch_size)
+        channel = open_channel(rnd.trunk_address, rnd.token, spec) if step.needs_channel else None
+        try:
+            loss, accuracy, examples = evaluate_round(step, channel, data)
+        finally:
+            if channel is not None:
+                channel.close()
     finally:
-        if channel is not None:
-            channel.close()
+        privacy.close()
+        context.state[ACCOUNTANT_STATE_KEY] = ConfigRecord(accountant.to_lists())
     metrics = MetricRecord({"num-examples": examples, "eval-loss": loss, "eval-accuracy": accuracy})
+    if spec.privacy.accounted:
+        metrics["epsilon"] = accountant.epsilon(spec.privacy.delta)
     return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
 
 

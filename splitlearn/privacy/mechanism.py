@@ -17,10 +17,22 @@ multiplier relative to the sensitivity is ``sigma / 2``
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 #: Added to per-sample norms before dividing (as Opacus does for gradients).
 NORM_EPS = 1e-6
+
+
+def batch_coupled_modules(module: nn.Module) -> list[str]:
+    """Names of the submodules whose training-mode output row mixes the whole batch.
+
+    BatchNorm normalises each row with the batch's mean and variance, so one
+    example's input moves every row of the batch: a per-row clip and noise then
+    no longer bound what a row reveals about one example, and the accounting,
+    which charges one release per example, does not hold.
+    """
+    return [name or type(module).__name__ for name, m in module.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
 def per_sample_norms(x: Tensor) -> Tensor:

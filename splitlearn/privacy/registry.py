@@ -34,7 +34,11 @@ from torch.utils.data import DataLoader
 from splitlearn.config import PrivacyConfig
 from splitlearn.privacy.accounting import Step
 from splitlearn.privacy.dpsgd import DPSGDBottom
-from splitlearn.privacy.mechanism import GaussianActivationMechanism
+from splitlearn.privacy.mechanism import GaussianActivationMechanism, batch_coupled_modules
+
+
+class UnprotectableRelease(ValueError):
+    """The client-side layers produce activations the privacy option cannot protect."""
 
 
 def secret_generator() -> torch.Generator:
@@ -92,6 +96,10 @@ class ClientPrivacy:
             trained.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
         )
 
+    @classmethod
+    def check_source(cls, bottom: nn.Module) -> None:
+        """Refuse client-side layers this option cannot protect (ValueError); none here."""
+
     def close(self) -> None:
         """Undo anything attached to the modules for training."""
 
@@ -119,6 +127,19 @@ class ActivationGaussianPrivacy(ClientPrivacy):
     def release(self, activations: Tensor) -> Tensor:
         """Clip and noise."""
         return self.mechanism(activations)
+
+    @classmethod
+    def check_source(cls, bottom: nn.Module) -> None:
+        """Refuse a client side with BatchNorm: its rows depend on the whole batch."""
+        coupled = batch_coupled_modules(bottom)
+        if coupled:
+            raise UnprotectableRelease(
+                f"privacy=activation_gaussian cannot protect activations computed through "
+                f"BatchNorm ({', '.join(coupled)}): in training each row depends on the "
+                "whole batch, so one example moves every row and the per-row accounting "
+                "does not hold; use a model whose client side has no BatchNorm (in the zoo: "
+                "cnn, lenet5, vit)"
+            )
 
 
 class DPSGDClientPrivacy(ClientPrivacy):

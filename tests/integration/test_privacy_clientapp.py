@@ -3,12 +3,35 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from flwr.app import ConfigRecord
 
 from clients.app import ACCOUNTANT_STATE_KEY, build_client_app
 from experiments.local import LocalGrid, in_process_channels
-from server.app import run_training, start_runtime, stop_runtime
+from server.app import (
+    RoundReporter,
+    initial_arrays,
+    make_strategy,
+    run_training,
+    start_runtime,
+    stop_runtime,
+)
+from splitlearn.dataplane import InProcessTransport, TrunkChannel
+from splitlearn.dataplane import trunk_pb2 as pb
+from splitlearn.dataplane.codec import decode_tensor
 from splitlearn.privacy import compute_epsilon
+from strategies.reporting import STATUS_KEY
 from tests.conftest import small_config
+from tests.integration.test_ushaped_dataplane import RecordingTransport
+
+
+def forward_rows(data: bytes) -> list[torch.Tensor]:
+    """The activation rows of one request frame (none for other kinds of frame)."""
+    request = pb.Request.FromString(data)
+    if request.WhichOneof("kind") not in ("forward", "evaluate"):
+        return []
+    part = getattr(request, request.WhichOneof("kind"))
+    return list(decode_tensor(part.activations, name="activations", max_bytes=2**30).flatten(1))
 
 
 def test_epsilon_accumulates_in_context_state_until_the_budget_stops_training(tmp_path):
@@ -37,4 +60,55 @@ def test_epsilon_accumulates_in_context_state_until_the_budget_stops_training(tm
     assert by_round[3]["epsilon"] == pytest.approx(one_round)  # never charged past round 1
     for context in grid.contexts.values():
         # The spend persisted in each node's state: one accounted epoch, nothing more.
+        assert list(context.state[ACCOUNTANT_STATE_KEY]["num-steps"]) == [1]
+
+
+def test_federated_evaluation_releases_noised_rows_and_is_charged(tmp_path):
+    """A server that evaluates anyway (the guard would not) gets clipped, noised rows, and
+    each evaluation costs the node an epoch of its budget: repeats cannot be averaged free."""
+    sigma, clip = 0.5, 5.0
+    one = compute_epsilon(history=[(sigma / 2, 1.0, 1)], delta=1e-5)
+    two = compute_epsilon(history=[(sigma / 2, 1.0, 2)], delta=1e-5)
+    cfg = small_config(
+        "strategy.fraction_evaluate=1.0", "privacy=activation_gaussian",
+        f"privacy.noise_multiplier={sigma}", f"privacy.clip_norm={clip}",
+        f"privacy.epsilon_max={(one + two) / 2}",
+        run_dir=str(tmp_path),
+    )
+    runtime = start_runtime(cfg)
+    frames: list[bytes] = []
+
+    def recording(address, token, spec):
+        return TrunkChannel(RecordingTransport(InProcessTransport(runtime.endpoint, token), frames),
+                            reply_timeout_s=spec.reply_timeout_s,
+                            max_frame_bytes=spec.max_frame_bytes)
+
+    try:
+        grid = LocalGrid(build_client_app(recording), num_nodes=cfg.num_clients)
+        inner = make_strategy(runtime, RoundReporter(runtime)).strategy  # past the guard
+
+        def evaluate(server_round):
+            messages = inner.configure_evaluate(server_round, initial_arrays(runtime),
+                                                ConfigRecord(), grid)
+            return list(grid.send_and_receive(messages))
+
+        first = evaluate(1)
+        released = [row for data in frames for row in forward_rows(data)]
+        frames.clear()
+        second = evaluate(2)
+    finally:
+        stop_runtime(runtime)
+    assert len(first) == cfg.num_clients
+    for reply in first:
+        assert reply.content["metrics"]["epsilon"] == pytest.approx(one)
+    # On the wire: noise of std sigma * C around clipped rows, whose norm <= C bounds their
+    # mean coordinate by C / sqrt(dims), not the raw ReLU activations.
+    rows = torch.stack(released)
+    assert rows.shape[0] > 100
+    assert rows.std().item() == pytest.approx(sigma * clip, rel=0.02)
+    assert abs(rows.mean().item()) <= clip / rows.shape[1] ** 0.5 + 0.01
+    # A second evaluation would pass the budget: every node declines, sends nothing.
+    assert frames == []
+    assert {r.content[STATUS_KEY]["status"] for r in second} == {"budget"}
+    for context in grid.contexts.values():
         assert list(context.state[ACCOUNTANT_STATE_KEY]["num-steps"]) == [1]

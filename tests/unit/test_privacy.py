@@ -28,6 +28,7 @@ from splitlearn.dataplane import (
 )
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor
+from splitlearn.models import build_model
 from splitlearn.privacy import (
     ClientPrivacy,
     DPSGDBottom,
@@ -40,10 +41,12 @@ from splitlearn.privacy import (
     per_sample_norms,
     with_release_at_cut,
 )
+from splitlearn.privacy.mechanism import batch_coupled_modules
 from splitlearn.privacy.registry import (
     ActivationGaussianPrivacy,
     DPSGDClientPrivacy,
     ReleaseAtCut,
+    UnprotectableRelease,
 )
 from splitlearn.split import split
 from strategies.local_loss import LocalLossOptions
@@ -259,6 +262,34 @@ def test_fedavg_refuses_activation_privacy(tmp_path):
     # DP-SGD protects the weights fedavg trains: accepted.
     check_config(small_config("strategy=fedavg", "privacy=dpsgd_client",
                               "privacy.noise_multiplier=1.0", run_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize("name", ["resnet", "vgg11_bn", "mobilenetv2"])
+def test_activation_noise_is_refused_on_a_batchnorm_client_side(name, tmp_path):
+    # One example's input moves every row BatchNorm normalises with the batch's statistics.
+    model = build_model(name, in_channels=1, image_size=16, num_classes=10, seed=0).train()
+    bottom, _ = split(model, 1)
+    x = torch.randn(8, 1, 16, 16)
+    moved = x.clone()
+    moved[0] = torch.randn(1, 16, 16)
+    with torch.no_grad():
+        others = (bottom(x)[1:] - bottom(moved)[1:]).flatten(1).norm(dim=1)
+    assert (others > 1e-3).all()
+    assert batch_coupled_modules(bottom)
+    with pytest.raises(UnprotectableRelease, match="BatchNorm"):
+        ActivationGaussianPrivacy.check_source(bottom)  # what each client checks itself
+    cfg = small_config(f"model={name}", "model.cut=1", "dataset.image_size=16",
+                       "privacy=activation_gaussian",
+                       run_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=f"model={name} at model.cut=1: .*BatchNorm"):
+        check_config(cfg)  # and the server's preflight
+
+
+def test_activation_noise_is_accepted_where_rows_are_independent(tmp_path):
+    bottom, _ = split(digits_like_model("cnn"), 1)
+    assert batch_coupled_modules(bottom) == []
+    ActivationGaussianPrivacy.check_source(bottom)
+    check_config(small_config("privacy=activation_gaussian", run_dir=str(tmp_path)))
 
 
 def test_release_at_cut_is_the_deployed_pipeline():
