@@ -8,10 +8,11 @@ with the updated client-side weights and the standard metrics. The ClientApp hol
 no model between messages; a node's privacy accountant lives in ``context.state``.
 
 A device that cannot or may not finish (unavailable, vanished, out of memory, out
-of privacy budget, refused by the trunk) raises a typed exception, and
-:func:`status_mod` turns it into a reply with a ``status`` record: the server reads
-the status from a field, never from an error text, and ``context.state`` (the
-privacy spend) is kept because the round did not fail.
+of privacy budget, asked for less privacy than its own floor, refused by the trunk)
+raises a typed exception, and :func:`status_mod` turns it into a reply with a
+``status`` record: the server reads the status from a field, never from an error
+text, and ``context.state`` (the privacy spend) is kept because the round did not
+fail.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from splitlearn.data import client_dataset
 from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
 from splitlearn.models.factory import build_model_from_config
 from splitlearn.privacy import PrivacyAccountant, PrivacyBudgetExhausted, make_client_privacy
+from splitlearn.privacy.floor import PrivacyFloor, PrivacyFloorViolation
 from splitlearn.wire import record_bytes, record_to_state, state_to_record
 from strategies.reporting import ROUND_KEY, SPEC_KEY, STATUS_KEY
 
@@ -123,6 +125,13 @@ def _load_accountant(context: Context) -> PrivacyAccountant:
     return PrivacyAccountant() if record is None else PrivacyAccountant.from_lists(record)
 
 
+def _privacy_floor(context: Context, spec: RunSpec) -> PrivacyFloor:
+    """Return this node's own privacy floor, refusing a task below it (before any work)."""
+    floor = PrivacyFloor.from_node_config(context.node_config)
+    floor.check(spec.privacy)
+    return floor
+
+
 def _dropout_hook(plan: DevicePlan, channel: TrunkChannel | None) -> Callable[[int], None]:
     def on_step(step: int) -> None:
         if 0 <= plan.fail_after_steps <= step:
@@ -137,6 +146,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
           ) -> Message:
     """One round of the message's protocol on this node."""
     spec = rnd.spec
+    floor = _privacy_floor(context, spec)
     torch.set_num_threads(spec.torch_threads)
     plan = plan_round(spec, server_round=rnd.server_round, partition_id=rnd.partition_id,
                       num_partitions=rnd.num_partitions)
@@ -154,7 +164,8 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     try:
         # The whole round is charged before anything leaves the device.
         accountant.spend(privacy.round_steps(epochs=spec.strategy.local_epochs),
-                         delta=spec.privacy.delta, epsilon_max=spec.privacy.epsilon_max)
+                         delta=spec.privacy.delta,
+                         epsilon_max=floor.budget(spec.privacy.epsilon_max))
         pacer = _pacer(rnd, plan)
         started = time.perf_counter()  # the part of the round the virtual clock models
         if pacer is not None:  # the device first waits for its weights
@@ -243,6 +254,7 @@ def evaluate(rnd: ClientRound, msg: Message, context: Context, open_channel: Cha
              ) -> Message:
     """Evaluate the protocol's pipeline on this node's data (no update)."""
     spec = rnd.spec
+    floor = _privacy_floor(context, spec)
     torch.set_num_threads(spec.torch_threads)
     step = rnd.step(msg.content["arrays"])
     loader = rnd.loader()
@@ -255,7 +267,7 @@ def evaluate(rnd: ClientRound, msg: Message, context: Context, open_channel: Cha
             # An evaluation releases every local example once more: charged as an epoch,
             # before anything leaves, so a server cannot average repeated evaluations.
             accountant.spend(privacy.round_steps(epochs=1), delta=spec.privacy.delta,
-                             epsilon_max=spec.privacy.epsilon_max)
+                             epsilon_max=floor.budget(spec.privacy.epsilon_max))
         data = DataLoader(loader.dataset, batch_size=spec.strategy.batch_size)
         channel = open_channel(rnd.trunk_address, rnd.token, spec) if step.needs_channel else None
         try:
@@ -276,7 +288,8 @@ def status_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
     """Turn a device's reason not to finish into a reply with a ``status`` record."""
     try:
         return call_next(msg, context)
-    except (DeviceFailure, PrivacyBudgetExhausted, TrunkRejected) as declined:
+    except (DeviceFailure, PrivacyBudgetExhausted, PrivacyFloorViolation, TrunkRejected
+            ) as declined:
         metrics = MetricRecord({"partition-id": _partition(context)["partition_id"]})
         if isinstance(declined, PrivacyBudgetExhausted):
             metrics["epsilon"] = declined.epsilon_spent

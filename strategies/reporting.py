@@ -41,7 +41,8 @@ ROUND_KEY = "round"
 #: Key of the run spec inside the message's config record.
 SPEC_KEY = "run-spec"
 #: Statuses a reply can have, in report order.
-STATUSES = ("ok", "straggler", "unavailable", "dropout", "memory", "refused", "budget", "failed")
+STATUSES = ("ok", "straggler", "unavailable", "dropout", "memory", "refused", "budget", "privacy",
+            "failed")
 #: Metrics summed over clients (the rest are averaged, weighted by examples).
 SUMMED_METRICS = ("num-examples", "steps", "bytes-up", "bytes-down", "weights-bytes-up",
                   "weights-bytes-down", "compute-s")

@@ -22,6 +22,7 @@ from splitlearn.dataplane.codec import decode_tensor
 from splitlearn.privacy import compute_epsilon
 from strategies.reporting import STATUS_KEY
 from tests.conftest import small_config
+from tests.integration.test_simulation import read_clients
 from tests.integration.test_ushaped_dataplane import RecordingTransport
 
 
@@ -112,3 +113,31 @@ def test_federated_evaluation_releases_noised_rows_and_is_charged(tmp_path):
     assert {r.content[STATUS_KEY]["status"] for r in second} == {"budget"}
     for context in grid.contexts.values():
         assert list(context.state[ACCOUNTANT_STATE_KEY]["num-steps"]) == [1]
+
+
+def test_nodes_hold_the_server_to_their_own_privacy_floor(tmp_path):
+    """Node 1 requires sigma >= 1 and refuses the server's 0.5; node 2's own budget (one
+    round's epsilon) is tighter than the server's (none): it trains once, then declines."""
+    sigma = 0.5
+    one = compute_epsilon(history=[(sigma / 2, 1.0, 1)], delta=1e-5)
+    cfg = small_config("privacy=activation_gaussian", f"privacy.noise_multiplier={sigma}",
+                       "privacy.clip_norm=5", run_dir=str(tmp_path))
+    runtime = start_runtime(cfg)
+    try:
+        grid = LocalGrid(build_client_app(in_process_channels(runtime.endpoint)),
+                         num_nodes=cfg.num_clients)
+        grid.contexts[1].node_config["privacy-min-noise-multiplier"] = 1.0
+        grid.contexts[2].node_config["privacy-epsilon-max"] = one * 1.01
+        result = run_training(grid, runtime)
+    finally:
+        stop_runtime(runtime)
+    by_round = {r["round"]: r for r in result.history}
+    assert by_round[1]["clients_privacy"] == 1 and by_round[2]["clients_privacy"] == 1
+    assert by_round[1]["clients_budget"] == 0 and by_round[2]["clients_budget"] == 1
+    assert by_round[2]["examples"] > 0  # node 3 trains on
+    rows = read_clients(tmp_path)
+    refused = [r for r in rows if r["status"] == "privacy"]
+    assert {r["partition_id"] for r in refused} == {"0"}
+    assert all("requires at least 1.0" in r["reason"] for r in refused)
+    assert ACCOUNTANT_STATE_KEY not in grid.contexts[1].state.config_records  # nothing spent
+    assert list(grid.contexts[2].state[ACCOUNTANT_STATE_KEY]["num-steps"]) == [1]

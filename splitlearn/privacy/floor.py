@@ -1,0 +1,134 @@
+"""A client's own privacy floor: what it accepts from the server, whatever the task asks.
+
+The privacy option and its settings arrive in the server's task, so without a
+floor the party we defend against would choose the defence. A node carries its
+floor in its own configuration (Flower's node config, set where the device runs)::
+
+    flower-supernode ... --node-config "privacy-option='activation_gaussian'
+        privacy-min-noise-multiplier=1.0 privacy-epsilon-max=8.0"   (one line)
+
+and refuses, before it computes or sends anything, a task below it. Keys (all
+optional; a node without them accepts what the server asks):
+
+``privacy-option``
+    The option the node requires (``activation_gaussian`` or ``dpsgd_client``);
+    a task with another option, or none, is refused.
+``privacy-min-noise-multiplier``
+    The least sigma the node accepts. sigma alone sets the guarantee of either
+    option (the noise is ``sigma x C`` for a sensitivity proportional to C).
+``privacy-max-delta``
+    The largest delta the node accepts.
+``privacy-epsilon-max``
+    The node's own budget: the tighter of it and the task's ``epsilon_max``
+    applies, so a server can lower a node's budget but never raise it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from splitlearn.config import PRIVACY_NAMES, PrivacyConfig
+
+#: Node-config keys of the floor, by field.
+FLOOR_KEYS = {
+    "option": "privacy-option",
+    "min_noise_multiplier": "privacy-min-noise-multiplier",
+    "max_delta": "privacy-max-delta",
+    "epsilon_max": "privacy-epsilon-max",
+}
+
+
+class PrivacyFloorViolation(ValueError):
+    """The server's task asks for less privacy than the node's floor."""
+
+    #: Reply status of a node that refuses a task for this reason.
+    kind = "privacy"
+
+
+@dataclass(frozen=True)
+class PrivacyFloor:
+    """The least privacy a node accepts (None / 0: no requirement).
+
+    Parameters
+    ----------
+    option : str | None
+        The privacy option the node requires.
+    min_noise_multiplier : float
+        The least sigma it accepts.
+    max_delta : float | None
+        The largest delta it accepts.
+    epsilon_max : float | None
+        Its own budget.
+    """
+
+    option: str | None = None
+    min_noise_multiplier: float = 0.0
+    max_delta: float | None = None
+    epsilon_max: float | None = None
+
+    def __post_init__(self) -> None:
+        accepted = [n for n in PRIVACY_NAMES if n != "none"]
+        if self.option is not None and self.option not in accepted:
+            raise ValueError(f"{FLOOR_KEYS['option']}={self.option!r}; accepted: {accepted}")
+        if not (math.isfinite(self.min_noise_multiplier) and self.min_noise_multiplier >= 0):
+            raise ValueError(f"{FLOOR_KEYS['min_noise_multiplier']} must be a finite number "
+                             f">= 0, got {self.min_noise_multiplier!r}")
+        if self.max_delta is not None and not 0 < self.max_delta < 1:
+            raise ValueError(f"{FLOOR_KEYS['max_delta']} must be in (0, 1), got {self.max_delta!r}")
+        if self.epsilon_max is not None and not (
+            math.isfinite(self.epsilon_max) and self.epsilon_max > 0
+        ):
+            raise ValueError(f"{FLOOR_KEYS['epsilon_max']} must be a finite number > 0, got "
+                             f"{self.epsilon_max!r}")
+
+    @classmethod
+    def from_node_config(cls, node_config: Mapping[str, object]) -> PrivacyFloor:
+        """Read the floor from a node's config (ValueError naming a malformed key)."""
+        values: dict[str, object] = {}
+        for field, key in FLOOR_KEYS.items():
+            if key not in node_config:
+                continue
+            raw = node_config[key]
+            if field == "option":
+                values[field] = str(raw)
+                continue
+            if isinstance(raw, bool):
+                raise ValueError(f"{key} must be a number, got {raw!r}")
+            try:
+                values[field] = float(raw)  # type: ignore[arg-type]
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"{key} must be a number, got {raw!r}") from err
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def required(self) -> bool:
+        """Whether the node requires any privacy at all."""
+        return self.option is not None or self.min_noise_multiplier > 0 or (
+            self.max_delta is not None or self.epsilon_max is not None)
+
+    def check(self, settings: PrivacyConfig) -> None:
+        """Refuse (PrivacyFloorViolation) a task whose privacy is below this floor."""
+        if not self.required:
+            return
+        if settings.name == "none":
+            raise PrivacyFloorViolation(
+                "the task asks for no privacy (privacy=none); this node requires "
+                f"{self.option or 'an accounted option'}")
+        if self.option is not None and settings.name != self.option:
+            raise PrivacyFloorViolation(
+                f"the task asks for privacy={settings.name}; this node requires {self.option}")
+        if settings.noise_multiplier < self.min_noise_multiplier:
+            raise PrivacyFloorViolation(
+                f"the task asks for noise_multiplier={settings.noise_multiplier}; this node "
+                f"requires at least {self.min_noise_multiplier}")
+        if self.max_delta is not None and settings.delta > self.max_delta:
+            raise PrivacyFloorViolation(
+                f"the task asks for delta={settings.delta}; this node accepts at most "
+                f"{self.max_delta}")
+
+    def budget(self, task_epsilon_max: float | None) -> float | None:
+        """Return the budget that applies: the tighter of the node's and the task's (or None)."""
+        limits = [e for e in (self.epsilon_max, task_epsilon_max) if e is not None]
+        return min(limits) if limits else None
