@@ -44,8 +44,16 @@ from splitlearn.config import RunSpec, decode_spec
 from splitlearn.data import client_dataset
 from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
 from splitlearn.models.factory import build_model_from_config
-from splitlearn.privacy import PrivacyAccountant, PrivacyBudgetExhausted, make_client_privacy
+from splitlearn.privacy import (
+    PRIVACY_OPTIONS,
+    PrivacyAccountant,
+    PrivacyBudgetExhausted,
+    make_client_privacy,
+    secret_generator,
+)
+from splitlearn.privacy.accounting import Step
 from splitlearn.privacy.floor import PrivacyFloor, PrivacyFloorViolation
+from splitlearn.privacy.ledger import LEDGER_KEY, load_ledger, save_ledger
 from splitlearn.wire import record_bytes, record_to_state, state_to_record
 from strategies.reporting import ROUND_KEY, SPEC_KEY, STATUS_KEY
 
@@ -101,13 +109,19 @@ class ClientRound:
         return step
 
     def loader(self) -> DataLoader:
-        """Return this round's shuffled batches of the node's partition."""
+        """Return this round's shuffled batches of the node's partition.
+
+        Under activation noise the order is the node's secret (see
+        :func:`~clients.loop.epoch_loader`); otherwise it is repeatable from the task.
+        """
         data = client_dataset(
             self.spec.dataset, self.spec.partitioner, seed=self.spec.seed,
             partition_id=self.partition_id, num_partitions=self.num_partitions,
         )
+        secret = PRIVACY_OPTIONS[self.spec.privacy.name].protects_activations
         return epoch_loader(
-            data, self.spec, server_round=self.server_round, partition_id=self.partition_id
+            data, self.spec, server_round=self.server_round, partition_id=self.partition_id,
+            generator=secret_generator() if secret else None,
         )
 
 
@@ -120,9 +134,26 @@ def _partition(context: Context) -> dict[str, int]:
 
 
 def _load_accountant(context: Context) -> PrivacyAccountant:
-    # context.state persists per node across rounds, so epsilon keeps adding up.
+    """Return the node's accountant: from its ledger file if it keeps one, else its state."""
+    ledger = context.node_config.get(LEDGER_KEY)
+    if ledger:
+        return load_ledger(str(ledger))
+    # context.state persists per node across rounds (not restarts), so epsilon adds up.
     record = context.state.config_records.get(ACCOUNTANT_STATE_KEY)
     return PrivacyAccountant() if record is None else PrivacyAccountant.from_lists(record)
+
+
+def _charge(context: Context, accountant: PrivacyAccountant, steps: list[Step], *,
+            spec: RunSpec, floor: PrivacyFloor) -> None:
+    """Charge ``steps`` (declining past the budget) and keep the spend before anything leaves."""
+    if not steps:
+        return
+    accountant.spend(steps, delta=spec.privacy.delta,
+                     epsilon_max=floor.budget(spec.privacy.epsilon_max))
+    context.state[ACCOUNTANT_STATE_KEY] = ConfigRecord(accountant.to_lists())
+    ledger = context.node_config.get(LEDGER_KEY)
+    if ledger:
+        save_ledger(str(ledger), accountant)
 
 
 def _privacy_floor(context: Context, spec: RunSpec) -> PrivacyFloor:
@@ -163,9 +194,8 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     accountant = _load_accountant(context)
     try:
         # The whole round is charged before anything leaves the device.
-        accountant.spend(privacy.round_steps(epochs=spec.strategy.local_epochs),
-                         delta=spec.privacy.delta,
-                         epsilon_max=floor.budget(spec.privacy.epsilon_max))
+        _charge(context, accountant, privacy.round_steps(epochs=spec.strategy.local_epochs),
+                spec=spec, floor=floor)
         pacer = _pacer(rnd, plan)
         started = time.perf_counter()  # the part of the round the virtual clock models
         if pacer is not None:  # the device first waits for its weights
@@ -179,7 +209,6 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
                 channel.close()
     finally:
         privacy.close()
-        context.state[ACCOUNTANT_STATE_KEY] = ConfigRecord(accountant.to_lists())
     arrays = state_to_record(step.state())
     weights = Traffic(down=record_bytes(msg.content["arrays"]), up=record_bytes(arrays))
     if pacer is not None:  # ... and last sends them back
@@ -193,6 +222,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
         metrics[key] = value
     if spec.privacy.accounted:
         metrics["epsilon"] = accountant.epsilon(spec.privacy.delta)
+        metrics["epsilon-vs-server"] = accountant.epsilon_unamplified(spec.privacy.delta)
     content = RecordDict({"arrays": arrays, "metrics": metrics})
     for key, arrays in step.reply_arrays().items():
         content[key] = state_to_record(arrays)
@@ -266,8 +296,7 @@ def evaluate(rnd: ClientRound, msg: Message, context: Context, open_channel: Cha
         if privacy.protects_activations:
             # An evaluation releases every local example once more: charged as an epoch,
             # before anything leaves, so a server cannot average repeated evaluations.
-            accountant.spend(privacy.round_steps(epochs=1), delta=spec.privacy.delta,
-                             epsilon_max=floor.budget(spec.privacy.epsilon_max))
+            _charge(context, accountant, privacy.round_steps(epochs=1), spec=spec, floor=floor)
         data = DataLoader(loader.dataset, batch_size=spec.strategy.batch_size)
         channel = open_channel(rnd.trunk_address, rnd.token, spec) if step.needs_channel else None
         try:
@@ -277,7 +306,6 @@ def evaluate(rnd: ClientRound, msg: Message, context: Context, open_channel: Cha
                 channel.close()
     finally:
         privacy.close()
-        context.state[ACCOUNTANT_STATE_KEY] = ConfigRecord(accountant.to_lists())
     metrics = MetricRecord({"num-examples": examples, "eval-loss": loss, "eval-accuracy": accuracy})
     if spec.privacy.accounted:
         metrics["epsilon"] = accountant.epsilon(spec.privacy.delta)

@@ -88,12 +88,18 @@ class RoundTally:
         return self.steps
 
 
-def epoch_loader(data: TensorDataset, spec: RunSpec, *, server_round: int, partition_id: int
-                 ) -> DataLoader:
-    """Shuffled batches whose order is a function of (seed, round, partition)."""
-    generator = torch.Generator().manual_seed(
-        spec.seed * 1_000_003 + server_round * 1_009 + partition_id
-    )
+def epoch_loader(data: TensorDataset, spec: RunSpec, *, server_round: int, partition_id: int,
+                 generator: torch.Generator | None = None) -> DataLoader:
+    """Shuffled batches whose order is a function of (seed, round, partition).
+
+    With ``generator`` (a client secret) the order is that generator's instead:
+    a server that knows the task's seed could otherwise tell which rows of two
+    noised releases come from the same example, and average their noise away.
+    """
+    if generator is None:
+        generator = torch.Generator().manual_seed(
+            spec.seed * 1_000_003 + server_round * 1_009 + partition_id
+        )
     return DataLoader(data, batch_size=spec.strategy.batch_size, shuffle=True, generator=generator)
 
 

@@ -47,7 +47,7 @@ STATUSES = ("ok", "straggler", "unavailable", "dropout", "memory", "refused", "b
 SUMMED_METRICS = ("num-examples", "steps", "bytes-up", "bytes-down", "weights-bytes-up",
                   "weights-bytes-down", "compute-s")
 #: Metrics whose round value is the worst client's (the slowest device sets the pace).
-MAX_METRICS = ("virtual-s", "epsilon", "peak-memory-bytes")
+MAX_METRICS = ("virtual-s", "epsilon", "epsilon-vs-server", "peak-memory-bytes")
 #: Per-client labels, meaningless when averaged.
 CLIENT_ONLY_METRICS = ("partition-id", "cut", "checkpoint", "memory-budget")
 

@@ -155,6 +155,16 @@ class PrivacyAccountant:
         with _quiet_order_warning():
             return float(self._rdp.get_epsilon(delta=delta))
 
+    def epsilon_unamplified(self, delta: float) -> float:
+        """Epsilon at ``delta`` with every step taken at sample rate 1.
+
+        Sampling amplifies privacy only against an observer who does not see
+        which examples a step used. The trunk's server sees every batch (its
+        activations and labels arrive in the frames), so against it a DP-SGD
+        step at rate q is worth no more than one at rate 1.
+        """
+        return compute_epsilon(history=[(s, 1.0, n) for s, _, n in self.history], delta=delta)
+
     def epsilon_after(self, steps: Iterable[Step], *, delta: float) -> float:
         """Epsilon if ``steps`` were recorded next (this accountant is not changed)."""
         return PrivacyAccountant([*self.history, *steps]).epsilon(delta)

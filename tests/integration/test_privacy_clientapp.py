@@ -20,6 +20,7 @@ from splitlearn.dataplane import InProcessTransport, TrunkChannel
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor
 from splitlearn.privacy import compute_epsilon
+from splitlearn.privacy.ledger import load_ledger
 from strategies.reporting import STATUS_KEY
 from tests.conftest import small_config
 from tests.integration.test_simulation import read_clients
@@ -56,6 +57,8 @@ def test_epsilon_accumulates_in_context_state_until_the_budget_stops_training(tm
     # budget, so every client declines; round 3 samples nobody (the guard remembers).
     assert by_round[1]["examples"] > 0 and by_round[1]["clients_budget"] == 0
     assert by_round[1]["epsilon"] == pytest.approx(one_round)
+    # Rows are accounted at rate 1: the server sees nothing sampling would hide.
+    assert by_round[1]["epsilon_vs_server"] == pytest.approx(one_round)
     assert by_round[2]["examples"] == 0 and by_round[2]["clients_budget"] == cfg.num_clients
     assert by_round[3]["examples"] == 0
     assert by_round[3]["epsilon"] == pytest.approx(one_round)  # never charged past round 1
@@ -141,3 +144,33 @@ def test_nodes_hold_the_server_to_their_own_privacy_floor(tmp_path):
     assert all("requires at least 1.0" in r["reason"] for r in refused)
     assert ACCOUNTANT_STATE_KEY not in grid.contexts[1].state.config_records  # nothing spent
     assert list(grid.contexts[2].state[ACCOUNTANT_STATE_KEY]["num-steps"]) == [1]
+
+
+def test_a_restarted_node_and_a_new_run_continue_from_the_ledger(tmp_path):
+    """Fresh contexts (restarted SuperNodes) in a new run start from what each node's ledger
+    file holds, not from zero: past the budget they decline at once."""
+    sigma = 0.5
+    one = compute_epsilon(history=[(sigma / 2, 1.0, 1)], delta=1e-5)
+    two = compute_epsilon(history=[(sigma / 2, 1.0, 2)], delta=1e-5)
+    ledgers = {node: tmp_path / "device" / f"node{node}.json" for node in (1, 2, 3)}
+
+    def run(name: str, *overrides: str) -> list[dict]:
+        cfg = small_config("strategy.num_rounds=1", "privacy=activation_gaussian",
+                           f"privacy.noise_multiplier={sigma}", "privacy.clip_norm=5",
+                           *overrides, run_dir=str(tmp_path / name))
+        runtime = start_runtime(cfg)
+        try:
+            grid = LocalGrid(build_client_app(in_process_channels(runtime.endpoint)),
+                             num_nodes=cfg.num_clients)
+            for node, path in ledgers.items():
+                grid.contexts[node].node_config["privacy-ledger"] = str(path)
+            return run_training(grid, runtime).history
+        finally:
+            stop_runtime(runtime)
+
+    first = run("first")
+    assert first[1]["clients_budget"] == 0 and first[1]["epsilon"] == pytest.approx(one)
+    assert all(load_ledger(p).epsilon(1e-5) == pytest.approx(one) for p in ledgers.values())
+    second = run("second", f"privacy.epsilon_max={(one + two) / 2}")
+    assert second[1]["clients_budget"] == 3 and second[1]["examples"] == 0
+    assert all(load_ledger(p).epsilon(1e-5) == pytest.approx(one) for p in ledgers.values())

@@ -11,12 +11,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from clients.app import ClientRound
 from clients.loop import evaluate_round, train_round
 from clients.steps.base import ClientStep
 from clients.steps.local_loss import SMASHED_RECORD_KEY, LocalLossStep
 from clients.steps.split import SplitStep
 from clients.steps.ushaped import UShapedStep
 from clients.steps.whole import WholeModelStep
+from protocols import PROTOCOLS
 from server.sessions.split import splitfed_v2_sessions
 from splitlearn.config import PrivacyConfig, RunSpec
 from splitlearn.dataplane import InProcessTransport, TrunkChannel, TrunkEndpoint
@@ -330,3 +332,24 @@ def test_label_coverage_counts_the_models_classes_not_the_largest_label_present(
     assert label_coverage(two_classes, 10) == pytest.approx(0.2)
     assert label_coverage(TensorDataset(torch.zeros(0, 1), torch.zeros(0, dtype=torch.long)),
                           10) == 0.0
+
+
+@pytest.mark.parametrize("privacy,secret", [
+    (PrivacyConfig(), False),
+    (PrivacyConfig(name="dpsgd_client", noise_multiplier=1.0), False),  # Poisson-sampled anyway
+    (PrivacyConfig(name="activation_gaussian", noise_multiplier=1.0), True),
+])
+def test_the_batch_order_is_the_nodes_secret_under_activation_noise(privacy, secret):
+    """A server that could recompute the order would know which rows of two noised releases
+    belong to one example, and could average their noise away."""
+    spec = RunSpec(privacy=privacy)
+
+    def order() -> list[float]:
+        rnd = ClientRound(PROTOCOLS["splitfed_v2"], spec, server_round=3, cut=1,
+                          checkpoint=False, token="", trunk_address="", partition_id=1,
+                          num_partitions=4)
+        return [float(v) for x, _ in rnd.loader() for v in x.flatten(1).sum(1)]
+
+    first, second = order(), order()
+    assert sorted(first) == sorted(second)  # the same examples ...
+    assert (first != second) == secret  # ... in a repeatable order unless it is secret

@@ -646,3 +646,18 @@ def test_dpsgd_rounds_train_through_the_real_step(case):
     assert all(not torch.equal(p, p0) for p, p0 in zip(step.trained().parameters(), before,
                                                         strict=True))
     assert not any(hasattr(p, "grad_sample") for p in step.trained().parameters())
+
+
+def test_epsilon_against_the_server_ignores_sampling():
+    # The server sees which examples each DP-SGD step used, so sampling buys nothing
+    # against it: 10 steps at sigma = 1 cost 19.1 at rate 1, not 6.2 at rate 0.22.
+    accountant = PrivacyAccountant()
+    accountant.step(noise_multiplier=1.0, sample_rate=32 / 144, num_steps=10)
+    assert accountant.epsilon(1e-5) == pytest.approx(6.23, abs=0.01)
+    assert accountant.epsilon_unamplified(1e-5) == pytest.approx(
+        compute_epsilon(history=[(1.0, 1.0, 10)], delta=1e-5))
+    assert accountant.epsilon_unamplified(1e-5) == pytest.approx(19.05, abs=0.01)
+    # Activation noise is accounted at rate 1 already: the two agree.
+    rows = PrivacyAccountant([(0.5, 1.0, 3)])
+    assert rows.epsilon_unamplified(1e-5) == pytest.approx(rows.epsilon(1e-5))
+    assert PrivacyAccountant().epsilon_unamplified(1e-5) == 0.0
