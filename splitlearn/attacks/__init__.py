@@ -9,7 +9,7 @@
   gradients the trunk returns (norm and direction attacks, ROC AUC).
 """
 
-from splitlearn.attacks.dcor import distance_correlation
+from splitlearn.attacks.dcor import bias_corrected_distance_correlation, distance_correlation
 from splitlearn.attacks.inversion import InversionDecoder, InversionResult, invert
 from splitlearn.attacks.label_leak import (
     cut_layer_gradients,
@@ -25,6 +25,7 @@ __all__ = [
     "InversionResult",
     "cut_layer_gradients",
     "direction_attack_auc",
+    "bias_corrected_distance_correlation",
     "distance_correlation",
     "invert",
     "mse",

@@ -4,6 +4,13 @@
 a similarity transform of each other. Used in split learning (NoPeek, Vepakomma
 et al. 2020) to measure how much of the input the smashed data still carries.
 O(n^2) memory: meant for a few thousand samples at most.
+
+The plain sample statistic is biased upwards, badly so in high dimension: 144
+digit images against pure noise score about 0.67, so noised activations all sit
+near that floor and cannot be told apart.
+:func:`bias_corrected_distance_correlation` (Székely and Rizzo, 2014: U-centred
+distances) is unbiased for the squared population value and close to 0 for
+independent samples of any dimension.
 """
 
 from __future__ import annotations
@@ -40,3 +47,42 @@ def distance_correlation(x: Tensor, y: Tensor) -> float:
         return 0.0
     dcor2 = dcov2_xy / torch.sqrt(dvar2_x * dvar2_y)
     return float(dcor2.clamp(min=0.0).sqrt())
+
+
+def _u_centered_distances(z: Tensor) -> Tensor:
+    """U-centred distance matrix (zero diagonal), Székely and Rizzo (2014), eq. (3.1)."""
+    n = len(z)
+    d = torch.cdist(z, z)
+    rows = d.sum(dim=1, keepdim=True)
+    cols = d.sum(dim=0, keepdim=True)
+    u = d - rows / (n - 2) - cols / (n - 2) + d.sum() / ((n - 1) * (n - 2))
+    u.fill_diagonal_(0.0)
+    return u
+
+
+def bias_corrected_distance_correlation(x: Tensor, y: Tensor) -> float:
+    """Unbiased estimate of the squared distance correlation (Székely and Rizzo, 2014).
+
+    ``(A . B) / sqrt((A . A)(B . B))`` over U-centred distance matrices, with
+    ``(A . B) = sum_{i != j} A_ij B_ij / (n (n - 3))``. It estimates dCor^2
+    without bias, so it can come out slightly negative, and it is near 0 for
+    independent samples whatever their dimension.
+
+    Parameters
+    ----------
+    x, y : Tensor
+        Shapes ``(n, ...)`` with the same ``n`` (>= 4); each sample is flattened.
+
+    Returns
+    -------
+    float
+        In [-1, 1]; 0 when either sample is constant.
+    """
+    if len(x) != len(y) or len(x) < 4:
+        raise ValueError(f"need two samples of equal size >= 4, got {len(x)} and {len(y)}")
+    a = _u_centered_distances(x.reshape(len(x), -1).double())
+    b = _u_centered_distances(y.reshape(len(y), -1).double())
+    ab, aa, bb = (a * b).sum(), (a * a).sum(), (b * b).sum()
+    if aa <= 0 or bb <= 0:
+        return 0.0
+    return float((ab / torch.sqrt(aa * bb)).clamp(-1.0, 1.0))
