@@ -65,6 +65,12 @@ ATTACK_DEFAULTS = (
     "strategy.num_rounds=10",
     "strategy.local_epochs=1",
 )
+#: ``--quick``: minutes become seconds (2 rounds; a decoder of 10 epochs). Numbers move,
+#: the ordering of the rows should not; the full setting is what the README reports.
+QUICK_OVERRIDES = ("strategy.num_rounds=2",)
+QUICK_DECODER_EPOCHS = 10
+#: Decoder epochs of the inversion attack in the full setting.
+DECODER_EPOCHS = 60
 #: Clip norm for activations at cut 1 of the small CNN: about the median row norm
 #: of the trained network on digits (measured 9-11), so clipping only trims outliers.
 ACTIVATION_CLIP_NORM = 10.0
@@ -133,7 +139,7 @@ def attack(
     *,
     which: Sequence[str] = ("inversion", "dcor", "label_leak"),
     data: AttackData | None = None,
-    decoder_epochs: int = 60,
+    decoder_epochs: int = DECODER_EPOCHS,
 ) -> dict[str, float | str]:
     """Train with ``cfg``, run the chosen attacks; return one table row.
 
@@ -232,14 +238,15 @@ def format_table(rows: Sequence[dict[str, float | str]], *, delta: float) -> str
     return header + "\n".join(lines) + "\n"
 
 
-def run_table(overrides: Sequence[str], *, out: Path | None = None) -> str:
+def run_table(overrides: Sequence[str], *, out: Path | None = None,
+              decoder_epochs: int = DECODER_EPOCHS) -> str:
     """Train and attack every table row; print (and write) the markdown table."""
     started = time.perf_counter()
     configs = table_configs(overrides)
     data = load_attack_data(configs[0])
     rows = []
     for cfg in configs:
-        row = attack(cfg, data=data)
+        row = attack(cfg, data=data, decoder_epochs=decoder_epochs)
         rows.append(row)
         print(f"{row['privacy']:>20} sigma={row['sigma']:<5g} eps={float(row['epsilon']):<10.4g} "
               f"acc={float(row['test_accuracy']):.3f} ssim={float(row['ssim']):.3f} "
@@ -263,10 +270,11 @@ def run_table(overrides: Sequence[str], *, out: Path | None = None) -> str:
     return table
 
 
-def run_single(name: str, overrides: Sequence[str]) -> dict[str, float | str]:
+def run_single(name: str, overrides: Sequence[str], *,
+               decoder_epochs: int = DECODER_EPOCHS) -> dict[str, float | str]:
     """Train once with the overrides and run one attack; print its numbers."""
     cfg = compose_config([*ATTACK_DEFAULTS, *overrides])
-    row = attack(cfg, which=(name,))
+    row = attack(cfg, which=(name,), decoder_epochs=decoder_epochs)
     shown = {k: v for k, v in row.items() if k != "train_s"}
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in shown.items()))
@@ -278,12 +286,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("name", choices=["inversion", "dcor", "label_leak", "table"])
     parser.add_argument("--out", type=Path, help="table: also write the markdown here")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{' '.join(QUICK_OVERRIDES)} and a {QUICK_DECODER_EPOCHS}-epoch "
+                             "decoder: seconds, not minutes")
+    parser.add_argument("--decoder-epochs", type=int, help="inversion decoder's epochs")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (after --quick's)")
     args = parser.parse_args(argv)
+    overrides = [*(QUICK_OVERRIDES if args.quick else ()), *args.overrides]
+    epochs = args.decoder_epochs or (QUICK_DECODER_EPOCHS if args.quick else DECODER_EPOCHS)
+    if epochs < 1:
+        parser.error(f"--decoder-epochs must be >= 1, got {epochs}")
     if args.name == "table":
-        run_table(args.overrides, out=args.out)
+        run_table(overrides, out=args.out, decoder_epochs=epochs)
     else:
-        run_single(args.name, args.overrides)
+        run_single(args.name, overrides, decoder_epochs=epochs)
 
 
 if __name__ == "__main__":
