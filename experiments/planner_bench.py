@@ -119,7 +119,7 @@ def run_for_budget(scenario: str, seed: int, method: str, overrides: Sequence[st
     two clients in flight, so the two are not spliced).
     """
     result = run_once(scenario, seed, method, overrides, host_flops=host_flops, target=target)
-    if result.virtual_time_s < budget_s and result.virtual_time_s > 0:
+    if 0 < result.virtual_time_s < budget_s:
         more = math.ceil(rounds * budget_s / result.virtual_time_s) + 1
         result = run_once(scenario, seed, method, overrides, host_flops=host_flops,
                           target=target, rounds=more)

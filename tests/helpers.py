@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -15,7 +16,7 @@ from splitlearn.config import PrivacyConfig, RunSpec
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.models import SplittableModel
-from splitlearn.planning.cost import CutCost
+from splitlearn.planning.cost import ClientState, CutCost
 from splitlearn.privacy import ClientPrivacy
 from strategies.splitfed import SplitFedV2Options
 
@@ -125,4 +126,24 @@ def cut_cost(
         memory_bytes=memory,
         checkpointed_memory_bytes=memory if checkpointed_memory is None else checkpointed_memory,
         leak=leak,
+    )
+
+
+def client_state(
+    name: str,
+    *,
+    flops: float = 1.0,
+    memory: float = math.inf,
+    link: float = 1.0,
+    utility: float = 1.0,
+    current_cut: int | None = None,
+) -> ClientState:
+    """A planner's client with one sample, one batch and no latency.
+
+    Its round takes ``FLOPs / flops + 2 x (smashed + weights) / link`` seconds.
+    """
+    return ClientState(
+        client=name, flops_per_s=flops, uplink_bytes_per_s=link, downlink_bytes_per_s=link,
+        rtt_s=0.0, memory_bytes=memory, samples=1, batches=1, utility=utility,
+        current_cut=current_cut,
     )

@@ -416,7 +416,7 @@ class SmartSplitPlanner(FlooredPlanner):
             rng = random.Random(f"{self.seed}/{server_round}")
             selected = set(rng.sample(feasible, min(m, len(feasible))))
         else:
-            selected = set(self.ranked(server_round, clients, options)[:m])
+            selected = set(self.ranked(server_round, clients, options, m)[:m])
         for i in feasible:
             if i not in selected:
                 excluded[clients[i].client] = f"not selected ({self.selection} selection)"
@@ -428,14 +428,13 @@ class SmartSplitPlanner(FlooredPlanner):
 
     def ranked(
         self, server_round: int, clients: Sequence[ClientState],
-        options: Sequence[Sequence[Option]],
+        options: Sequence[Sequence[Option]], m: int,
     ) -> list[int]:
-        """Return the feasible clients' indices, best score first (see the class docstring)."""
+        """Return the feasible clients' indices, best score first, for ``m`` to be selected."""
         fastest = {i: min(o.client_s for o in opts) for i, opts in enumerate(options) if opts}
         if not fastest:
             return []
-        m = min(self.selection_size(len(clients)), len(fastest))
-        deadline = sorted(fastest.values())[m - 1]
+        deadline = sorted(fastest.values())[min(m, len(fastest)) - 1]
         top = max(clients[i].utility for i in fastest)
 
         def score(i: int) -> float:

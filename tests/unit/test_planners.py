@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
@@ -21,31 +20,7 @@ from splitlearn.planning.planners import (
     privacy_floor,
 )
 from splitlearn.planning.solve import random_instance, solve
-from tests.helpers import cut_cost
-
-
-def client_state(
-    name: str,
-    *,
-    flops: float = 1.0,
-    memory: float = math.inf,
-    link: float = 1.0,
-    utility: float = 1.0,
-    current_cut: int | None = None,
-) -> ClientState:
-    # One sample, one batch, no latency: T = FLOPs / speed + 2 x weights / link.
-    return ClientState(
-        client=name,
-        flops_per_s=flops,
-        uplink_bytes_per_s=link,
-        downlink_bytes_per_s=link,
-        rtt_s=0.0,
-        memory_bytes=memory,
-        samples=1,
-        batches=1,
-        utility=utility,
-        current_cut=current_cut,
-    )
+from tests.helpers import client_state, cut_cost
 
 
 def cuts_of(plan) -> dict[str, int]:

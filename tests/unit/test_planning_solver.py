@@ -29,34 +29,12 @@ from splitlearn.planning.solve import (
     random_instance,
     solve,
 )
-from tests.helpers import cut_cost
+from tests.helpers import client_state, cut_cost
 
 REPO = Path(__file__).resolve().parents[2]
 
 #: Worst-case assignments per generated instance, so brute force stays fast.
 MAX_COMBOS = 50_000
-
-
-def client_state(
-    name: str,
-    *,
-    flops: float = 1.0,
-    memory: float = math.inf,
-    current_cut: int | None = None,
-    link: float = 1e9,
-    rtt: float = 0.0,
-) -> ClientState:
-    return ClientState(
-        client=name,
-        flops_per_s=flops,
-        uplink_bytes_per_s=link,
-        downlink_bytes_per_s=link,
-        rtt_s=rtt,
-        memory_bytes=memory,
-        samples=1,
-        batches=1,
-        current_cut=current_cut,
-    )
 
 
 @st.composite
