@@ -66,9 +66,10 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (
     Protocol("splitfed_v1", SplitFedV1Options, SplitFed, SplitStep, per_client_sessions,
              per_client_cuts=True),
     Protocol("sequential", SequentialOptions, SequentialSplit, SplitStep, shared_sessions),
-    Protocol("ushaped", UShapedOptions, SplitFed, UShapedStep, ushaped_sessions),
+    Protocol("ushaped", UShapedOptions, SplitFed, UShapedStep, ushaped_sessions,
+             per_client_cuts=True),
     Protocol("local_loss", LocalLossOptions, LocalLossSplit, LocalLossStep, local_loss_sessions),
-    Protocol("sglr", SGLROptions, SplitFed, SplitStep, sglr_sessions),
+    Protocol("sglr", SGLROptions, SplitFed, SplitStep, sglr_sessions, per_client_cuts=True),
 )}
 
 
@@ -134,13 +135,16 @@ def check_config(cfg: DictConfig) -> None:
     check_dataset_config(config.dataset)
     model = build_model_from_config(config.model, config.dataset)
     # The client step checks what it needs of the model (cut, tail cut, head).
-    protocol.client(model, run_spec(cfg, host_flops_per_s=0.0), cut=config.model.cut)
+    spec = run_spec(cfg, host_flops_per_s=0.0)
+    protocol.client(model, spec, cut=config.model.cut)
+    check_planner(config, protocol, model)
+    for cut in cuts_in_play(config, model):  # and a planner's every cut
+        protocol.client(model, spec, cut=cut)
     if config.privacy.name == "activation_gaussian" and not protocol.client.sends_activations:
         raise ValueError(
             f"privacy=activation_gaussian protects activations; strategy={protocol.name} sends none"
         )
     check_privacy_source(config, model)
-    check_planner(config, protocol, model)
     build_fleet(num_clients=config.num_clients, mix=config.devices.mix,
                 profiles={k: vars(v) for k, v in config.devices.profiles.items()},
                 seed=config.seed)
@@ -152,16 +156,44 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def check_privacy_source(config: Config, model: SplittableModel) -> None:
-    """Refuse a model whose client side the privacy option cannot protect (ValueError)."""
+    """Refuse a model whose client side the privacy option cannot protect (ValueError).
+
+    Checked at every cut a client may be given: ``model.cut``, or with an adaptive
+    planner each cut it may choose (``planner.cuts``, else every valid cut).
+    """
     from splitlearn.privacy import PRIVACY_OPTIONS
     from splitlearn.split import split
 
-    bottom, _ = split(model, config.model.cut)
-    try:
-        PRIVACY_OPTIONS[config.privacy.name].check_source(bottom)
-    except ValueError as err:
-        raise ValueError(f"model={config.model.name} at model.cut={config.model.cut}: {err}"
-                         ) from err
+    option = PRIVACY_OPTIONS[config.privacy.name]
+    for cut in cuts_in_play(config, model):
+        bottom, _ = split(model, cut)
+        try:
+            option.check_source(bottom)
+        except ValueError as err:
+            raise ValueError(f"model={config.model.name} at cut {cut}: {err}") from err
+
+
+def cuts_in_play(config: Config, model: SplittableModel) -> list[int]:
+    """Return the cuts a client of this run may hold.
+
+    ``model.cut``, or with an adaptive planner each cut it may choose:
+    ``planner.cuts`` (checked by :func:`check_planner`), else every valid cut
+    (below the tail cut, for U-shaped learning).
+    """
+    if not config.planner.adaptive:
+        return [config.model.cut]
+    if config.planner.cuts:
+        return list(config.planner.cuts)
+    tail_cut = tail_cut_of(config.strategy, model)
+    return [c for c in model.valid_cuts if tail_cut is None or c < tail_cut]
+
+
+def tail_cut_of(options: StrategyConfig, model: SplittableModel) -> int | None:
+    """Return the first stage of a U-shaped device's tail (None for other protocols)."""
+    tail_cut = getattr(options, "tail_cut", None)
+    if tail_cut is None:
+        return None
+    return tail_cut or model.num_stages - 1
 
 
 def check_planner(config: Config, protocol: Protocol, model: SplittableModel) -> None:
@@ -175,16 +207,15 @@ def check_planner(config: Config, protocol: Protocol, model: SplittableModel) ->
             f"planner={planner.name} gives clients different cuts; strategy={protocol.name} "
             f"needs one cut for all (planner=uniform), or use strategy in {accepted}"
         )
-    if config.privacy.name == "activation_gaussian":
-        raise ValueError(
-            f"planner={planner.name} with privacy=activation_gaussian: activation noise is "
-            "calibrated at one cut; use planner=uniform"
-        )
+    tail_cut = tail_cut_of(config.strategy, model)
     for cut in planner.cuts or []:
         try:
             model.check_cut(cut)
         except ValueError as err:
             raise ValueError(f"planner.cuts: {err}") from err
+        if tail_cut is not None and cut >= tail_cut:
+            raise ValueError(f"planner.cuts: cut {cut} leaves the trunk no stage below the "
+                             f"U-shaped tail cut {tail_cut}")
     unknown = sorted(set(planner.leak) - set(model.valid_cuts))
     if unknown:
         raise ValueError(f"planner.leak names cuts {unknown}; valid cuts: {model.valid_cuts}")

@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from protocols import Protocol, check_config, compose_config, protocol_named
+from protocols import Protocol, check_config, compose_config, protocol_named, tail_cut_of
 from server.trunk import Trunk
 from splitlearn.aux_head import without_aux
 from splitlearn.calibration import cut_costs, measure_host_flops_per_s
@@ -138,7 +138,8 @@ def make_planning(cfg: DictConfig, trunk: Trunk, *, host_flops_per_s: float
         return None
     allowed = set(settings.cuts or trunk.model.valid_cuts)
     leak = {int(k): float(v) for k, v in settings.leak.items()}
-    costs = [c for c in cut_costs(trunk.model, batch_size=cfg.strategy.batch_size, leak=leak)
+    costs = [c for c in cut_costs(trunk.model, batch_size=cfg.strategy.batch_size, leak=leak,
+                                  tail_cut=tail_cut_of(cfg.strategy, trunk.model))
              if c.cut in allowed]
     planner = build_planner(settings, costs, shared_trunk=cfg.strategy.name != "splitfed_v1",
                             seed=cfg.seed)

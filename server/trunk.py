@@ -83,11 +83,14 @@ class Trunk:
                 self.busy_s += time.perf_counter() - started
 
     @contextmanager
-    def step(self, *, samples: int, from_stage: int) -> Iterator[Callable[..., None]]:
+    def step(
+        self, *, samples: int, from_stage: int, to_stage: int | None = None
+    ) -> Iterator[Callable[..., None]]:
         """Hold the trunk for one update; the body runs its forward and calls the yielded backward.
 
         ``with trunk.step(samples=n, from_stage=cut) as backward: ...; backward(loss)``
-        (or ``backward(output, gradient)``); stages from ``from_stage`` up are booked
+        (or ``backward(output, gradient)``); stages ``[from_stage, to_stage)`` (to the
+        last when ``to_stage`` is None; a U-shaped tail is the device's) are booked
         as trained on ``samples``. The update is applied only if the body
         returns and every gradient is finite; otherwise nothing changes (weights,
         optimiser state, and buffers the forward moved such as batch-norm statistics).
@@ -109,7 +112,7 @@ class Trunk:
             self.optimizer.step()
             self.steps += 1
             self.samples += samples
-            for index in range(from_stage, len(self.stage_samples)):
+            for index in range(from_stage, to_stage or len(self.stage_samples)):
                 self.stage_samples[index] += samples
 
     def _backward(self, output: Tensor, gradient: Tensor | None = None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -103,7 +104,8 @@ def cross_entropy_memory_bytes(num_classes: int, *, batch_size: int) -> int:
 
 
 def cut_costs(
-    model: SplittableModel, *, batch_size: int, leak: Mapping[int, float] | None = None
+    model: SplittableModel, *, batch_size: int, leak: Mapping[int, float] | None = None,
+    tail_cut: int | None = None,
 ) -> list[CutCost]:
     """Build the planner's cost table: one :class:`CutCost` per valid cut.
 
@@ -115,22 +117,30 @@ def cut_costs(
         Batch size, for the memory columns.
     leak : Mapping[int, float] | None, optional
         Measured attack scores by cut; cuts not in it get None.
+    tail_cut : int | None, optional
+        U-shaped learning: the device also trains stages ``[tail_cut, n)`` and the
+        loss, the trunk only ``[cut, tail_cut)``; only cuts below it are listed.
 
     Returns
     -------
     list[CutCost]
-        In cut order. Client FLOPs are 3 forwards of ``[0, c)``, recomputation
-        one more forward of ``[0, c - 1)`` (the last stage is not checkpointed),
-        the trunk's 3 forwards of ``[c, n)``; smashed
-        bytes are stage ``c - 1``'s output (float32); parameter bytes are
-        float32 weights of ``[0, c)``.
+        In cut order. Client FLOPs are 3 forwards of ``[0, c)`` (plus the tail),
+        recomputation one more forward of ``[0, c - 1)`` (the last stage is not
+        checkpointed), the trunk's 3 forwards of ``[c, n)`` (or of
+        ``[c, tail_cut)``); smashed bytes are stage ``c - 1``'s output (float32;
+        plus the features at the tail cut, which come down as the activations go
+        up, and whose gradient goes up as the cut's comes down); parameter bytes
+        are float32 weights of the device's stages.
     """
     costs = model.stage_costs()
     leak = leak or {}
-    return [
-        _cut_cost(model, costs, cut, batch_size=batch_size, leak=leak.get(cut))
-        for cut in model.valid_cuts
+    cuts = [c for c in model.valid_cuts if tail_cut is None or c < tail_cut]
+    table = [
+        _cut_cost(model, costs, cut, batch_size=batch_size, leak=leak.get(cut)) for cut in cuts
     ]
+    if tail_cut is None:
+        return table
+    return [_with_tail(model, cost, costs, tail_cut, batch_size=batch_size) for cost in table]
 
 
 def _cut_cost(
@@ -156,6 +166,36 @@ def _cut_cost(
         ),
         leak=leak,
     )
+
+
+def _with_tail(model: SplittableModel, cost: CutCost, costs: list[StageCost], tail_cut: int, *,
+               batch_size: int) -> CutCost:
+    """``cost`` for a U-shaped client that also trains stages ``[tail_cut, n)``."""
+    tail = costs[tail_cut:]
+    tail_flops = float(TRAIN_TO_FORWARD_FLOPS * sum(c.flops_per_sample for c in tail))
+    tail_memory = tail_train_memory_bytes(model, tail_cut, batch_size=batch_size)
+    return replace(
+        cost,
+        client_flops_per_sample=cost.client_flops_per_sample + tail_flops,
+        server_flops_per_sample=cost.server_flops_per_sample - tail_flops,
+        smashed_bytes_per_sample=cost.smashed_bytes_per_sample
+        + costs[tail_cut - 1].activation_bytes_per_sample,
+        client_param_bytes=cost.client_param_bytes + FLOAT32_BYTES * sum(c.params for c in tail),
+        memory_bytes=cost.memory_bytes + tail_memory,
+        checkpointed_memory_bytes=cost.checkpointed_memory_bytes + tail_memory,
+        exchanges_per_batch=2,
+    )
+
+
+def tail_train_memory_bytes(model: SplittableModel, tail_cut: int, *, batch_size: int) -> int:
+    """Estimated training memory of a U-shaped tail ``[tail_cut, n)`` for one batch, in bytes.
+
+    Its saved activations plus its parameters, their gradients and one momentum
+    buffer (float32); the tail is never checkpointed.
+    """
+    tail = model.stage_costs()[tail_cut:]
+    return (sum(c.train_memory_bytes_per_sample for c in tail) * batch_size
+            + PARAM_STATE_COPIES * FLOAT32_BYTES * sum(c.params for c in tail))
 
 
 def _train_memory_bytes(

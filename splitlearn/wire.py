@@ -30,8 +30,10 @@ def record_bytes(record: Any) -> int:
     return sum(len(array.data) for array in record.values())
 
 
-def stages_below(record: Any, cut: int) -> Any:
-    """Return the part of an ``ArrayRecord`` keyed ``"<stage index>.…"`` below ``cut``."""
+def stages_outside(record: Any, start: int, end: int) -> Any:
+    """Return an ``ArrayRecord`` keyed ``"<stage index>.…"`` without stages ``[start, end)``."""
     from flwr.app import ArrayRecord
 
-    return ArrayRecord({k: v for k, v in record.items() if int(k.partition(".")[0]) < cut})
+    return ArrayRecord({
+        k: v for k, v in record.items() if not start <= int(k.partition(".")[0]) < end
+    })

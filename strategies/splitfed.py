@@ -19,7 +19,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from splitlearn.config import StrategyConfig
 from splitlearn.dataplane import TokenRegistry
 from splitlearn.planning.cost import Assignment
-from splitlearn.wire import record_to_state, stages_below, state_to_record
+from splitlearn.wire import record_to_state, stages_outside, state_to_record
 from strategies.adaptive import CutPlanning
 from strategies.reporting import ReportingFedAvg, reply_metrics
 
@@ -107,15 +107,19 @@ class SplitFed(ReportingFedAvg):
         return self._assigned.get(node, default)
 
     def client_arrays(self, node: int, arrays: ArrayRecord) -> ArrayRecord:
-        """Return the global stages below ``node``'s cut."""
+        """Return the global stages ``node`` holds: all but those its trunk runs this round.
+
+        The global arrays hold stages ``[0, global_cut)`` (and a U-shaped tail); a
+        client at cut ``c`` gets them without ``[c, global_cut)``.
+        """
         cut = self.assignment(node).cut
-        return arrays if cut == self.global_cut else stages_below(arrays, cut)
+        return arrays if cut == self.global_cut else stages_outside(arrays, cut, self.global_cut)
 
     def aggregate_arrays(self, server_round: int, finished: list[Message]) -> ArrayRecord:
         """Merge every stage over the copies that trained it, client and trunk alike.
 
-        Protocols whose trunk side cannot merge per stage average the client
-        sides as FedAvg does (their clients all hold ``model.cut``).
+        Protocols whose trunk side cannot merge per stage (local loss) average the
+        client sides as FedAvg does (their clients all hold ``model.cut``).
         """
         merge = getattr(self.trunk, "merge_round", None)
         if merge is None:

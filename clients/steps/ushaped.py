@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from clients.steps.base import ClientStep, hits
-from splitlearn.calibration import client_train_memory_bytes
+from splitlearn.calibration import client_train_memory_bytes, tail_train_memory_bytes
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.models import SplittableModel
@@ -42,9 +42,7 @@ class UShapedStep(ClientStep):
 
     def memory_bytes(self, batch_size: int) -> int:
         """Estimate the head's memory plus the tail's saved activations and parameter state."""
-        tail = self.model.stage_costs()[self.tail_cut:]
-        tail_bytes = sum(c.train_memory_bytes_per_sample for c in tail) * batch_size
-        tail_bytes += 3 * 4 * sum(c.params for c in tail)
+        tail_bytes = tail_train_memory_bytes(self.model, self.tail_cut, batch_size=batch_size)
         return tail_bytes + client_train_memory_bytes(
             self.model, self.cut, batch_size=batch_size, checkpoint=self.checkpoint
         )

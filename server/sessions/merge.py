@@ -96,7 +96,14 @@ def _weighted_mean(parts: Sequence[tuple[Tensor, float]]) -> Tensor:
     return merged
 
 
-def fill_missing(merged: dict[str, Tensor], current: Mapping[str, Tensor], upto: int
-                 ) -> dict[str, Tensor]:
-    """Return the merged stages below ``upto``, ``current`` for those no copy trained."""
-    return {k: merged.get(k, v) for k, v in current.items() if stage_of(k) < upto}
+def client_stages(
+    merged: dict[str, Tensor], current: Mapping[str, Tensor], clients: Sequence[StageCopy], *,
+    upto: int,
+) -> dict[str, Tensor]:
+    """Return what the clients hold after the merge.
+
+    That is every stage below ``upto`` (the deepest cut; ``current`` for those no
+    copy trained) and every stage a client copy holds above it (a U-shaped tail).
+    """
+    held = set(range(upto)).union(*(c.stage_samples for c in clients))
+    return {k: merged.get(k, v) for k, v in current.items() if stage_of(k) in held}

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from server.sessions.merge import (
     StageCopy,
     client_copy,
-    fill_missing,
+    client_stages,
     merge_stages,
     trunk_copy,
 )
@@ -66,15 +66,16 @@ class SharedTrunk:
         """Nothing to settle: updates were applied as batches arrived."""
 
     def merge_round(self, clients: Sequence[StageCopy], *, upto: int) -> dict[str, Tensor]:
-        """Merge the clients' copies with the trunk's, per stage; return stages ``[0, upto)``.
+        """Merge the clients' copies with the trunk's, per stage; return the clients' stages.
 
-        The merged stages are loaded into the trunk too, so that both sides hold
-        the same weights for every stage when cuts move next round.
+        Those are stages ``[0, upto)`` and any the clients hold above (a U-shaped
+        tail). The merged stages are loaded into the trunk too, so that both sides
+        hold the same weights for every stage when cuts move next round.
         """
         state = self.trunk.stage_state()
         merged = merge_stages([*clients, trunk_copy(state, self.trunk.take_stage_samples())])
         self.trunk.load_stages(merged)
-        return fill_missing(merged, state, upto)
+        return client_stages(merged, state, clients, upto=upto)
 
 
 class TrunkPerClient:
@@ -102,7 +103,7 @@ class TrunkPerClient:
     def merge_round(self, clients: Sequence[StageCopy], *, upto: int) -> dict[str, Tensor]:
         """Merge client copies and the finished trunk copies per stage into the global trunk.
 
-        Returns stages ``[0, upto)`` of the merged model.
+        Returns the clients' stages of the merged model, as :meth:`SharedTrunk.merge_round`.
         """
         kept, self._finished = self._finished, []
         copies = [trunk_copy(t.stage_state(), t.take_stage_samples()) for t in kept]
@@ -110,7 +111,7 @@ class TrunkPerClient:
         self.trunk.load_stages(merged)
         self.trunk.add_books(steps=sum(t.steps for t in kept),
                         samples=sum(t.samples for t in kept), busy_s=sum(t.busy_s for t in kept))
-        return fill_missing(merged, self.trunk.stage_state(), upto)
+        return client_stages(merged, self.trunk.stage_state(), clients, upto=upto)
 
 
 @dataclass(frozen=True)

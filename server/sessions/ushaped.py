@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from server.sessions.merge import client_copy
 from server.sessions.split import SharedTrunk
 from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, StrategyConfig
@@ -160,7 +161,8 @@ class UShapedSession:
         """Backpropagate ``grad`` through the pending forward, step, return the cut gradient."""
         cut, acts, features = pending.cut, pending.activations, pending.features
         stages = self.trunk.model.stages[cut:self.tail_cut]
-        with self.trunk.step(samples=len(acts), from_stage=cut) as backward:
+        with self.trunk.step(samples=len(acts), from_stage=cut, to_stage=self.tail_cut
+                             ) as backward:
             restore: list[tuple[Tensor, Tensor]] = []
             if _versions(self._params(cut)) != pending.versions:
                 self.recomputed += 1
@@ -185,7 +187,16 @@ class UShapedSession:
             self._pending.pop(session.token, None)
 
     def finish_round(self, finished: Iterable[str]) -> None:
-        """Nothing to merge: the shared trunk stepped as batches arrived."""
+        """Nothing to settle: the shared trunk stepped as batches arrived."""
+
+    def merge_round(
+        self, updates: Sequence[tuple[Mapping[str, Tensor], int]], *, upto: int
+    ) -> dict[str, Tensor]:
+        """Merge heads and tails with the trunk's stages, per stage (clients' cuts may differ).
+
+        Returns every stage the clients hold: ``[0, upto)`` and the tail.
+        """
+        return self.pool.merge_round([client_copy(s, n) for s, n in updates], upto=upto)
 
 
 def ushaped_sessions(

@@ -11,7 +11,7 @@ needs, in the virtual clock's terms (``splitlearn.planning.clock``)::
     T_i(c) = s_i * flops_client(c) / F_i            # compute (x 4/3 when checkpointing)
            + s_i * smashed(c) / up_i                # activations up
            + s_i * smashed(c) / down_i              # their gradients down
-           + b_i * rtt_i                            # one round trip per batch
+           + b_i * e(c) * rtt_i                     # e round trips per batch (1; U-shaped 2)
            + params(c) / down_i + params(c) / up_i  # its stages' weights, there and back
 
 and the trunk ``W_i(c) = s_i * flops_server(c) / F_trunk``. A shared trunk
@@ -55,6 +55,8 @@ class CutCost:
     leak : float | None
         A measured attack score at this cut (e.g. inversion SSIM; higher
         reveals more), or None when not measured.
+    exchanges_per_batch : int
+        Round trips with the trunk per batch (U-shaped learning: 2).
     """
 
     cut: int
@@ -66,6 +68,7 @@ class CutCost:
     memory_bytes: int
     checkpointed_memory_bytes: int
     leak: float | None = None
+    exchanges_per_batch: int = 1
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,7 @@ def client_seconds(client: ClientState, cost: CutCost, *, checkpoint: bool = Fal
         client.samples * flops / client.flops_per_s
         + (activations + weights) / client.uplink_bytes_per_s
         + (activations + weights) / client.downlink_bytes_per_s
-        + client.batches * client.rtt_s
+        + client.batches * cost.exchanges_per_batch * client.rtt_s
     )
 
 

@@ -74,3 +74,19 @@ def test_smartsplit_selects_half_the_fleet_and_brings_back_the_rest(tmp_path):
     assert trained["1"].isdisjoint(trained["2"])
     rounds = rounds_of(run_dir)
     assert rounds[2]["test_loss"] < rounds[1]["test_loss"] < rounds[0]["test_loss"]
+
+
+def test_ushaped_with_moving_cuts_keeps_the_tail_and_labels_on_the_devices(tmp_path):
+    """U-shaped per-client cuts through the engine: every client gets its head and the tail,
+    a deeper cut more weights; the round trains; the trunk never sees labels (it refuses
+    them) and the devices report the loss."""
+    run_dir = run_experiment(tmp_path, "strategy=ushaped", *ROTATING, *SMALL)
+    rounds = rounds_of(run_dir)
+    assert rounds[2]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.1
+    rows = [r for r in read_clients(run_dir) if r["status"] == "ok"]
+    assert len(rows) == 6
+    cuts = cuts_by_round(rows)
+    assert all(set(cuts[r].values()) == {1, 2, 3} for r in ("1", "2"))
+    by_cut = {int(float(r["cut"])): int(float(r["weights_bytes_down"])) for r in rows}
+    assert by_cut[1] < by_cut[2] < by_cut[3]
+    assert all(float(r["train_loss"]) > 0 for r in rows)

@@ -35,12 +35,32 @@ def test_a_run_trains_the_users_module_and_hands_back_its_state_dict(tmp_path):
     assert accuracy == pytest.approx(history[-1]["test_accuracy"])
 
 
-def test_with_one_client_per_step_sglr_is_splitfed_v2():
-    """One client in each step: scale 1, the average of one gradient is its own."""
+@pytest.mark.parametrize("planner", [(), ("planner=rotate", "planner.cuts=[1,2,3]")],
+                         ids=["one-cut", "per-client-cuts"])
+def test_with_one_client_per_step_sglr_is_splitfed_v2(planner):
+    """One client in each step: scale 1, the average of one gradient is its own. With
+    per-client cuts too (cuts differ within a round and move), SGLR merges per stage as
+    SplitFed v2 does."""
     histories = {
-        name: run_local(small_config(f"strategy={name}", "strategy.momentum=0"), concurrency=1)
-        .history for name in ("sglr", "splitfed_v2")
+        name: run_local(small_config(f"strategy={name}", "strategy.momentum=0", *planner),
+                        concurrency=1).history
+        for name in ("sglr", "splitfed_v2")
     }
     for a, b in zip(histories["sglr"], histories["splitfed_v2"], strict=True):
         assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-6)
         assert a["test_accuracy"] == b["test_accuracy"]
+
+
+def test_ushaped_with_moving_cuts_and_one_client_is_splitfed_v2():
+    """One client, plain SGD, its cut moving every round (1, 2, 3): the U-shaped tail on the
+    device and the trunk's middle train what SplitFed v2's trunk trains, batch by batch, so
+    both are whole-model SGD; any stage lost or mis-weighted when the cut moves differs."""
+    rotating = ("planner=rotate", "planner.cuts=[1,2,3]", "num_clients=1",
+                "strategy.min_train_nodes=1", "strategy.num_rounds=3", "strategy.momentum=0")
+    histories = {
+        name: run_local(small_config(f"strategy={name}", *rotating), concurrency=1).history
+        for name in ("ushaped", "splitfed_v2")
+    }
+    for a, b in zip(histories["ushaped"], histories["splitfed_v2"], strict=True):
+        assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-5)
+    assert histories["ushaped"][-1]["test_accuracy"] > histories["ushaped"][0]["test_accuracy"]

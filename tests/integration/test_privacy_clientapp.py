@@ -174,3 +174,40 @@ def test_a_restarted_node_and_a_new_run_continue_from_the_ledger(tmp_path):
     second = run("second", f"privacy.epsilon_max={(one + two) / 2}")
     assert second[1]["clients_budget"] == 3 and second[1]["examples"] == 0
     assert all(load_ledger(p).epsilon(1e-5) == pytest.approx(one) for p in ledgers.values())
+
+
+def test_activation_noise_follows_each_clients_own_cut(tmp_path):
+    """Per-client cuts (they differ within the round): every client's rows leave clipped and
+    noised at its own cut, and the accounting is the same as at one cut (a release per
+    example, whatever its width)."""
+    sigma, clip = 0.5, 5.0
+    one_round = compute_epsilon(history=[(sigma / 2, 1.0, 1)], delta=1e-5)
+    cfg = small_config(
+        "strategy.num_rounds=1", "planner=rotate", "planner.cuts=[1,2,3]",
+        "privacy=activation_gaussian", f"privacy.noise_multiplier={sigma}",
+        f"privacy.clip_norm={clip}", run_dir=str(tmp_path),
+    )
+    runtime = start_runtime(cfg)
+    frames: list[bytes] = []
+
+    def recording(address, token, spec):
+        return TrunkChannel(RecordingTransport(InProcessTransport(runtime.endpoint, token), frames),
+                            reply_timeout_s=spec.reply_timeout_s,
+                            max_frame_bytes=spec.max_frame_bytes)
+
+    try:
+        grid = LocalGrid(build_client_app(recording), num_nodes=cfg.num_clients)
+        history = run_training(grid, runtime).history
+    finally:
+        stop_runtime(runtime)
+    assert history[1]["examples"] > 0 and history[1]["epsilon"] == pytest.approx(one_round)
+    assert {int(float(r["cut"])) for r in read_clients(tmp_path)} == {1, 2, 3}
+    by_width: dict[int, list[torch.Tensor]] = {}
+    for data in frames:
+        for row in forward_rows(data):
+            by_width.setdefault(row.numel(), []).append(row)
+    assert len(by_width) == 3  # one activation width per cut
+    for rows in by_width.values():
+        stacked = torch.stack(rows)
+        assert stacked.std().item() == pytest.approx(sigma * clip, rel=0.05)
+        assert abs(stacked.mean().item()) <= clip / stacked.shape[1] ** 0.5 + 0.02

@@ -9,12 +9,19 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from hydra.errors import ConfigCompositionException
 
-from protocols import check_config, compose_config
+from protocols import check_config, compose_config, cuts_in_play
 from server.sessions.split import SharedTrunk, SplitSession
 from server.trunk import Trunk
 from splitlearn.calibration import cut_costs
-from splitlearn.config import DataPlaneConfig, PlannerConfig, RunSpec, TraceEventConfig
+from splitlearn.config import (
+    DataPlaneConfig,
+    PlannerConfig,
+    RunSpec,
+    TraceEventConfig,
+    to_object,
+)
 from splitlearn.dataplane import TokenRegistry
+from splitlearn.models.factory import build_model_from_config
 from splitlearn.planning.cost import Assignment
 from splitlearn.planning.devices import DeviceProfile, apply_traces
 from splitlearn.planning.planners import RotatePlanner, SmartSplitPlanner
@@ -140,9 +147,11 @@ def test_traces_change_devices_from_their_round_on():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["planner=dynsl", "strategy=ushaped"], "strategy=ushaped needs one cut for all"),
-    (["planner=greedy", "privacy=activation_gaussian", "privacy.noise_multiplier=1.0"],
-     "activation noise is calibrated at one cut"),
+    (["planner=dynsl", "strategy=local_loss"], "strategy=local_loss needs one cut for all"),
+    (["planner=dynsl", "strategy=ushaped", "planner.cuts=[1,4]"],
+     "cut 4 leaves the trunk no stage below the U-shaped tail cut 4"),
+    (["planner=greedy", "privacy=activation_gaussian", "model=resnet", "model.cut=2",
+      "planner.cuts=[2,3]"], "model=resnet at cut 2: "),
     (["planner=dynsl", "planner.cuts=[1,9]"], "planner.cuts: invalid cut 9"),
     (["planner=dynsl", "+planner.leak={7: 0.5}"], "planner.leak names cuts [7]"),
 ])
@@ -150,6 +159,19 @@ def test_planners_the_run_cannot_follow_are_refused_before_anything_starts(overr
     with pytest.raises(ValueError) as err:
         check_config(compose_config(overrides))
     assert message in str(err.value)
+
+
+def test_activation_noise_is_checked_at_every_cut_a_planner_may_give():
+    cfg = compose_config(["planner=greedy", "privacy=activation_gaussian"])
+    check_config(cfg)  # the CNN's client side has no BatchNorm at any cut
+    cfg.run_dir = "."
+    config = to_object(cfg)
+    model = build_model_from_config(config.model, config.dataset)
+    assert cuts_in_play(config, model) == model.valid_cuts
+    config.planner.cuts = [2, 3]
+    assert cuts_in_play(config, model) == [2, 3]
+    config.planner.name = "uniform"
+    assert cuts_in_play(config, model) == [config.model.cut]
 
 
 def test_planner_settings_are_typed_and_checked_at_composition():

@@ -231,6 +231,33 @@ def test_cut_costs_follow_the_stage_costs() -> None:
     assert table[1].leak == 0.5
 
 
+def test_a_ushaped_cost_table_puts_the_tail_on_the_device() -> None:
+    """Per-client cuts for U-shaped learning: the tail's work, weights, memory and features
+    are the device's at every cut; the trunk does only the stages between."""
+    model = digits_like_model("resnet")
+    costs = model.stage_costs()
+    tail_cut = 4
+    plain = {row.cut: row for row in cut_costs(model, batch_size=BATCH)}
+    table = cut_costs(model, batch_size=BATCH, tail_cut=tail_cut)
+    assert [row.cut for row in table] == [1, 2, 3]  # the trunk keeps at least one stage
+    tail = costs[tail_cut:]
+    for row in table:
+        split_row = plain[row.cut]
+        tail_flops = 3 * sum(c.flops_per_sample for c in tail)
+        assert row.client_flops_per_sample == split_row.client_flops_per_sample + tail_flops
+        assert row.server_flops_per_sample == 3 * sum(
+            c.flops_per_sample for c in costs[row.cut:tail_cut])
+        assert row.smashed_bytes_per_sample == (split_row.smashed_bytes_per_sample
+                                                + costs[tail_cut - 1].activation_bytes_per_sample)
+        assert row.client_param_bytes == 4 * sum(
+            c.params for c in [*costs[:row.cut], *tail])
+        spec = RunSpec(strategy=UShapedOptions(tail_cut=tail_cut))
+        assert row.memory_bytes == UShapedStep(model, spec, cut=row.cut).memory_bytes(BATCH)
+        assert row.checkpointed_memory_bytes == UShapedStep(
+            model, spec, cut=row.cut, checkpoint=True).memory_bytes(BATCH)
+        assert (row.exchanges_per_batch, split_row.exchanges_per_batch) == (2, 1)
+
+
 def test_the_plain_estimate_counts_shared_boundaries_once() -> None:
     model = digits_like_model("resnet")
     costs = model.stage_costs()[:3]

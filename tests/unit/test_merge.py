@@ -124,3 +124,37 @@ def test_merge_keeps_dtypes_and_a_lone_copy_bit_for_bit():
     assert int(merged["0.num_batches_tracked"]) == 9  # (7 + 2 x 10) / 3, rounded
     alone = merge_stages([client_copy(state, 5), trunk_copy(other, [0])])
     assert torch.equal(alone["0.weight"], state["0.weight"])
+
+
+def test_ushaped_clients_at_different_cuts_merge_heads_tails_and_the_middle_per_stage():
+    """U-shaped: the trunk books only the stages below the tail; tails are averaged over the
+    clients alone, every other stage over every copy that trained it; the clients get back
+    heads below the deepest cut and the tail."""
+    from server.sessions.ushaped import UShapedSession
+    from splitlearn.split import ushaped_state
+
+    model = digits_like_model()
+    tail_cut = 4
+    trunk = Trunk(copy.deepcopy(model), lr=LR)
+    session = UShapedSession(SharedTrunk(trunk), tail_cut=tail_cut, limits=LIMITS)
+    for cut, seed, batch in ((1, 1, 8), (3, 2, 24)):  # what two U-shaped steps book
+        acts = acts_at(model, cut, seed, batch)[0].requires_grad_(True)
+        with trunk.step(samples=batch, from_stage=cut, to_stage=tail_cut) as backward:
+            features = trunk.run(acts, cut, tail_cut)
+            backward(features, torch.ones_like(features))
+    assert trunk.stage_samples == [0, 8, 8, 32, 0]  # the tail is the devices'
+    moved = torch.Generator().manual_seed(0)
+    a, b = ({k: v + 0.01 * torch.randn(v.shape, generator=moved)
+             for k, v in ushaped_state(model, cut, tail_cut).items()} for cut in (1, 3))
+    trunk_state = trunk.stage_state()
+    expected = reference_merge([
+        (a, {0: 8, 4: 8}), (b, {0: 24, 1: 24, 2: 24, 4: 24}),
+        (trunk_state, {1: 8, 2: 8, 3: 32}),
+    ])
+    merged = session.merge_round([(a, 8), (b, 24)], upto=3)
+    assert merged.keys() == set(ushaped_state(model, 3, tail_cut))  # heads to 3, and the tail
+    for key, value in merged.items():
+        assert torch.allclose(value, expected[key], atol=1e-7), key
+    after = trunk.stage_state()
+    for key, value in expected.items():
+        assert torch.allclose(after[key], value, atol=1e-7), key

@@ -281,7 +281,7 @@ def test_activation_noise_is_refused_on_a_batchnorm_client_side(name, tmp_path):
     cfg = small_config(f"model={name}", "model.cut=1", "dataset.image_size=16",
                        "privacy=activation_gaussian",
                        run_dir=str(tmp_path))
-    with pytest.raises(ValueError, match=f"model={name} at model.cut=1: .*BatchNorm"):
+    with pytest.raises(ValueError, match=f"model={name} at cut 1: .*BatchNorm"):
         check_config(cfg)  # and the server's preflight
 
 
