@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -146,6 +146,17 @@ class Trunk:
             values = saved.split([b.numel() for b in self._buffers])
             for buffer, value in zip(self._buffers, values, strict=True):
                 buffer.copy_(value.view_as(buffer))
+
+    def forget_optimizer_state(self, stages: Iterable[int]) -> None:
+        """Drop the momentum of ``stages``' parameters (stages that left the trunk for devices).
+
+        A stage that comes back later starts afresh, as it would on a device, instead of
+        applying momentum from before its weights were merged elsewhere.
+        """
+        with self._lock:
+            for index in stages:
+                for param in self.model.stages[index].parameters():
+                    self.optimizer.state.pop(param, None)
 
     def take_stage_samples(self) -> list[int]:
         """Return the samples per stage since the last call, and start counting again."""

@@ -70,11 +70,15 @@ class SharedTrunk:
 
         Those are stages ``[0, upto)`` and any the clients hold above (a U-shaped
         tail). The merged stages are loaded into the trunk too, so that both sides
-        hold the same weights for every stage when cuts move next round.
+        hold the same weights for every stage when cuts move next round; the trunk's
+        momentum of the stages it did not train this round is dropped.
         """
-        state = self.trunk.stage_state()
-        merged = merge_stages([*clients, trunk_copy(state, self.trunk.take_stage_samples())])
+        state, books = self.trunk.stage_state(), self.trunk.take_stage_samples()
+        merged = merge_stages([*clients, trunk_copy(state, books)])
         self.trunk.load_stages(merged)
+        # Momentum is kept only where the trunk trained this round: a stage every client
+        # held itself was averaged on the devices, and the trunk's old direction is stale.
+        self.trunk.forget_optimizer_state(i for i, n in enumerate(books) if n == 0)
         return client_stages(merged, state, clients, upto=upto)
 
 

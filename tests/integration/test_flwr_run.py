@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,24 @@ def pids_mentioning(text: str) -> list[int]:
             if text in cmdline:
                 pids.append(int(proc.name))
     return pids
+
+
+def finished_runs(flwr: Path, env: dict[str, str], *, timeout_s: float = 180.0) -> list[str]:
+    """Wait until every run the local SuperLink knows has finished; return their statuses.
+
+    ``flwr run --stream`` returns when the log stream ends, which is not always when the
+    run does (seen: exit 0 while the ServerApp was still in round 1), so the SuperLink's
+    own record of the run is what says it is over.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listing = subprocess.run([str(flwr), "ls", "--format", "json"], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=60)
+        statuses = [run["status"] for run in json.loads(listing.stdout).get("runs", [])]
+        if statuses and all(s.startswith("finished") for s in statuses):
+            return statuses
+        assert time.monotonic() < deadline, f"runs not finished after {timeout_s} s: {statuses}"
+        time.sleep(1.0)
 
 
 @pytest.fixture
@@ -53,6 +72,7 @@ def test_flwr_run_trains_with_the_same_apps(tmp_path, flwr_home):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert finished_runs(flwr, env) == ["finished:completed"], proc.stdout[-3000:]
     rounds = json.loads((run_dir / "metrics.json").read_text())
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert all(r["clients"] == 3 and r["failed_clients"] == 0 for r in rounds[1:])

@@ -7,7 +7,7 @@ import copy
 import torch
 from flwr.app import MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
-from torch import Tensor
+from torch import Tensor, nn
 
 from server.sessions.merge import client_copy, merge_stages, stage_of, trunk_copy
 from server.sessions.split import SharedTrunk, SplitSession, TrunkPerClient, train_on_batch
@@ -158,3 +158,32 @@ def test_ushaped_clients_at_different_cuts_merge_heads_tails_and_the_middle_per_
     after = trunk.stage_state()
     for key, value in expected.items():
         assert torch.allclose(after[key], value, atol=1e-7), key
+
+
+def test_the_trunk_keeps_momentum_only_for_the_stages_it_trained_this_round():
+    """A stage that moved to the devices loses its trunk momentum: when it comes back it
+    starts afresh, as on a device, instead of replaying a direction from before the merge."""
+    model = digits_like_model()
+    trunk = Trunk(copy.deepcopy(model), lr=LR, momentum=0.9)
+    session = SplitSession(SharedTrunk(trunk), limits=LIMITS)
+    params = {i: list(trunk.model.stages[i].parameters()) for i in range(model.num_stages)}
+
+    def has_momentum(stage: int) -> bool:
+        return all("momentum_buffer" in trunk.optimizer.state.get(p, {}) for p in params[stage])
+
+    train_on_batch(trunk, 1, *acts_at(model, 1, 1, 8))  # round 1: a client at cut 1
+    session.merge_round([(client_state(model, 1, 10), 8)], upto=3)
+    assert has_momentum(1) and has_momentum(3)
+    train_on_batch(trunk, 3, *acts_at(model, 3, 2, 8))  # round 2: it moved to cut 3
+    session.merge_round([(client_state(model, 3, 11), 8)], upto=3)
+    assert not any(trunk.optimizer.state.get(p) for i in (1, 2) for p in params[i])
+    assert has_momentum(3) and has_momentum(4)  # still trained here: kept
+    # Back at cut 1: stage 1's first step is plain SGD (no stale momentum), as on a device.
+    before = [p.detach().clone() for p in params[1]]
+    acts, labels = acts_at(model, 1, 3, 8)
+    expected = copy.deepcopy(trunk.model)
+    loss = nn.functional.cross_entropy(nn.Sequential(*expected.stages[1:])(acts), labels)
+    grads = torch.autograd.grad(loss, list(expected.stages[1].parameters()))
+    train_on_batch(trunk, 1, acts, labels)
+    for p, b, g in zip(params[1], before, grads, strict=True):
+        assert torch.allclose(p.detach(), b - LR * g, atol=1e-6)
