@@ -36,6 +36,17 @@ def forward_rows(data: bytes) -> list[torch.Tensor]:
     return list(decode_tensor(part.activations, name="activations", max_bytes=2**30).flatten(1))
 
 
+def recording_channels(runtime, frames: list[bytes]):
+    """A ClientApp channel factory over the in-process transport that keeps every frame sent."""
+
+    def recording(address, token, spec):
+        return TrunkChannel(RecordingTransport(InProcessTransport(runtime.endpoint, token), frames),
+                            reply_timeout_s=spec.reply_timeout_s,
+                            max_frame_bytes=spec.max_frame_bytes)
+
+    return recording
+
+
 def test_epsilon_accumulates_in_context_state_until_the_budget_stops_training(tmp_path):
     sigma = 0.5
     one_round = compute_epsilon(history=[(sigma / 2, 1.0, 1)], delta=1e-5)
@@ -81,11 +92,7 @@ def test_federated_evaluation_releases_noised_rows_and_is_charged(tmp_path):
     )
     runtime = start_runtime(cfg)
     frames: list[bytes] = []
-
-    def recording(address, token, spec):
-        return TrunkChannel(RecordingTransport(InProcessTransport(runtime.endpoint, token), frames),
-                            reply_timeout_s=spec.reply_timeout_s,
-                            max_frame_bytes=spec.max_frame_bytes)
+    recording = recording_channels(runtime, frames)
 
     try:
         grid = LocalGrid(build_client_app(recording), num_nodes=cfg.num_clients)
@@ -189,11 +196,7 @@ def test_activation_noise_follows_each_clients_own_cut(tmp_path):
     )
     runtime = start_runtime(cfg)
     frames: list[bytes] = []
-
-    def recording(address, token, spec):
-        return TrunkChannel(RecordingTransport(InProcessTransport(runtime.endpoint, token), frames),
-                            reply_timeout_s=spec.reply_timeout_s,
-                            max_frame_bytes=spec.max_frame_bytes)
+    recording = recording_channels(runtime, frames)
 
     try:
         grid = LocalGrid(build_client_app(recording), num_nodes=cfg.num_clients)
