@@ -135,10 +135,9 @@ def check_config(cfg: DictConfig) -> None:
     check_dataset_config(config.dataset)
     model = build_model_from_config(config.model, config.dataset)
     # The client step checks what it needs of the model (cut, tail cut, head).
-    spec = run_spec(cfg, host_flops_per_s=0.0)
-    protocol.client(model, spec, cut=config.model.cut)
     check_planner(config, protocol, model)
-    for cut in cuts_in_play(config, model):  # and a planner's every cut
+    spec = run_spec(cfg, host_flops_per_s=0.0)
+    for cut in sorted({config.model.cut, *cuts_in_play(config, model)}):  # a planner's too
         protocol.client(model, spec, cut=cut)
     if config.privacy.name == "activation_gaussian" and not protocol.client.sends_activations:
         raise ValueError(
