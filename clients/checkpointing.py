@@ -1,12 +1,18 @@
 """Per-stage activation checkpointing for the device's stages.
 
-With checkpointing, each stage but the last runs under
+With checkpointing, each stage runs under
 :func:`torch.utils.checkpoint.checkpoint` (non-reentrant): the forward keeps only
 the stage's input, and the stage is run again during backward to rebuild what
-its backward needs. The last stage runs plain: its backward comes first, while
-every boundary is still held, so rebuilding it cannot lower the peak. The device
-then holds the stage-boundary activations plus one stage's saved tensors at a
-time, for one more forward of all but the last stage
+its backward needs. The last stage, whose output is the smashed data, is
+checkpointed too when the step lets go of that output once it is sent
+(``checkpoint_output``; the split steps do, see
+:func:`clients.steps.base.gradient_root`): then the device holds the
+stage inputs and the output until the exchange, and afterwards the inputs plus
+one stage's saved tensors at a time. Otherwise the last stage runs plain: its
+backward comes first, while every boundary and the output are still held, so
+rebuilding it could not lower the peak. The step puts a
+:class:`splitlearn.models.lean.MaskReLU` at the cut, so that the last stage's
+rebuild keeps a one-byte mask, not a second copy of the output
 (:func:`splitlearn.calibration.client_train_memory_bytes` models the bytes).
 
 Running a stage twice would update BatchNorm running statistics twice (and count
@@ -36,6 +42,7 @@ def run_stages(
     x: Tensor,
     *,
     checkpoint: bool,
+    checkpoint_output: bool = False,
     recompute_context: RecomputeContext = nullcontext,
 ) -> Tensor:
     """Run ``stages`` in order, each under a checkpoint when asked and grad is on.
@@ -49,6 +56,9 @@ def run_stages(
     checkpoint : bool
         Checkpoint every stage but the last. Ignored when gradients are off
         (evaluation), where nothing is saved anyway.
+    checkpoint_output : bool, optional
+        With ``checkpoint``, checkpoint the last stage too: for a caller that
+        drops the output once it is sent, before the backward.
     recompute_context : RecomputeContext, optional
         Called at each stage's forward; the context it returns is entered
         around that stage's recomputation, inside checkpointing's own hooks.
@@ -60,11 +70,12 @@ def run_stages(
     """
     checkpoint = checkpoint and torch.is_grad_enabled()
     stages = list(stages)
+    checkpointed = len(stages) if checkpoint_output else len(stages) - 1
     for index, stage in enumerate(stages):
-        # The last stage runs plain: its backward comes first, while every boundary is
-        # still held, so rebuilding it would only add recomputation (and a second copy
-        # of the output at the cut) without lowering the peak.
-        if checkpoint and index < len(stages) - 1:
+        # Unless the caller frees the output before the backward, the last stage runs
+        # plain: its backward comes first, while every boundary is still held, so
+        # rebuilding it would only add recomputation without lowering the peak.
+        if checkpoint and index < checkpointed:
             contexts = partial(_contexts, stage, recompute_context)
             x = torch_checkpoint(stage, x, use_reentrant=False, context_fn=contexts)
         else:

@@ -33,9 +33,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
 from clients.checkpointing import run_stages
 from splitlearn.models import SplittableModel
+from splitlearn.models.lean import mask_cut_relu
 
 _PackHook = Callable[[Tensor], Any]
 _UnpackHook = Callable[[Any], Tensor]
@@ -195,9 +197,11 @@ def memory_saving_ratio(
     Each figure is the peak of one SGD step with momentum on a random batch,
     measured with :class:`MemoryMeter` after a warm-up step (which creates the
     gradients and momentum the steady state holds): the whole model plainly,
-    with cross-entropy; the client's stages ``[0, cut)`` with per-stage
-    checkpointing, and for reference without, back-propagating a random
-    gradient at the cut (the trunk's reply). ``model`` is not modified.
+    with cross-entropy; the client's stages ``[0, cut)`` as a split step trains
+    them with checkpointing (every stage checkpointed, a
+    :class:`~splitlearn.models.lean.MaskReLU` at the cut, the output dropped
+    once sent), and for reference plainly, back-propagating a random gradient
+    at the cut (the trunk's reply). ``model`` is not modified.
 
     Parameters
     ----------
@@ -223,28 +227,37 @@ def memory_saving_ratio(
     labels = torch.randint(0, model.num_classes, (batch_size,), generator=generator)
     grad = torch.randn(batch_size, *model.cut_shape(cut), generator=generator)
 
-    def whole_backward(logits: Tensor) -> None:
-        nn.functional.cross_entropy(logits, labels).backward()
+    def whole_loss(logits: Tensor) -> tuple[Tensor, None]:
+        return nn.functional.cross_entropy(logits, labels), None
 
-    def client_backward(activations: Tensor) -> None:
-        activations.backward(grad)
+    def cut_gradient(activations: Tensor) -> tuple[Tensor, Tensor]:
+        return activations, grad
 
-    whole = _measure_steps(copy.deepcopy(model).stages, whole_backward, inputs, checkpoint=False)
-    client, plain = (
-        _measure_steps(copy.deepcopy(model).stages[:cut], client_backward, inputs,
-                       checkpoint=checkpoint)
-        for checkpoint in (True, False)
-    )
+    whole = _measure_steps(copy.deepcopy(model).stages, whole_loss, inputs, checkpoint=False)
+    lean = copy.deepcopy(model)
+    mask_cut_relu(lean, cut)  # as the split step does when it checkpoints
+    client = _measure_steps(lean.stages[:cut], cut_gradient, inputs, checkpoint=True,
+                            frees_output=True)
+    plain = _measure_steps(copy.deepcopy(model).stages[:cut], cut_gradient, inputs,
+                           checkpoint=False)
     return {"cut": float(cut), "whole_bytes": float(whole), "client_bytes": float(client),
             "client_plain_bytes": float(plain), "ratio": whole / client,
             "plain_ratio": whole / plain}
 
 
+#: From the stages' output: the tensor to back-propagate from and its gradient (None: a loss).
+_Backward = Callable[[Tensor], tuple[Tensor, Tensor | None]]
+
+
 def _measure_steps(
-    stages: nn.ModuleList, backward: Callable[[Tensor], None], inputs: Tensor, *,
-    checkpoint: bool,
+    stages: nn.ModuleList, backward: _Backward, inputs: Tensor, *, checkpoint: bool,
+    frees_output: bool = False,
 ) -> int:
-    """Peak bytes of the second of two SGD steps (the first creates grads and momentum)."""
+    """Peak bytes of the second of two SGD steps (the first creates grads and momentum).
+
+    ``frees_output``: as a split step, drop the output (sent by then) before the
+    backward, and checkpoint the last stage too.
+    """
     stages.train()
     optimizer = torch.optim.SGD(stages.parameters(), lr=0.01, momentum=0.9)
     peak = 0
@@ -252,12 +265,14 @@ def _measure_steps(
         meter = MemoryMeter(stages, optimizer)
         with meter:
             out = run_stages(stages, inputs, checkpoint=checkpoint,
-                             recompute_context=meter.observing)
+                             checkpoint_output=frees_output, recompute_context=meter.observing)
             meter.watch(out)
             optimizer.zero_grad(set_to_none=True)
-            backward(out)
+            start, grad = backward(out)
+            root = get_gradient_edge(start)
+            del out, start  # what a split step has sent, it no longer holds
+            torch.autograd.backward(root, grad)
             optimizer.step()
-            del out
         peak = meter.peak_bytes
     return peak
 

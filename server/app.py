@@ -138,8 +138,10 @@ def make_planning(cfg: DictConfig, trunk: Trunk, *, host_flops_per_s: float
         return None
     allowed = set(settings.cuts or trunk.model.valid_cuts)
     leak = {int(k): float(v) for k, v in settings.leak.items()}
+    frees_output = protocol_named(cfg.strategy.name).client.frees_sent_output
     costs = [c for c in cut_costs(trunk.model, batch_size=cfg.strategy.batch_size, leak=leak,
-                                  tail_cut=tail_cut_of(cfg.strategy, trunk.model))
+                                  tail_cut=tail_cut_of(cfg.strategy, trunk.model),
+                                  frees_output=frees_output)
              if c.cut in allowed]
     planner = build_planner(settings, costs, shared_trunk=cfg.strategy.name != "splitfed_v1",
                             seed=cfg.seed)

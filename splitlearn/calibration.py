@@ -23,6 +23,7 @@ from torch import nn
 
 from splitlearn.models import SplittableModel, StageCost
 from splitlearn.models.base import FLOAT32_BYTES, segment_memory_bytes_per_sample
+from splitlearn.models.lean import lean_stage_costs
 from splitlearn.planning.cost import CutCost
 from splitlearn.split import split
 
@@ -39,7 +40,8 @@ def client_train_flops_per_sample(model: SplittableModel, cut: int) -> int:
 
 
 def client_train_memory_bytes(
-    model: SplittableModel, cut: int, *, batch_size: int, checkpoint: bool = False
+    model: SplittableModel, cut: int, *, batch_size: int, checkpoint: bool = False,
+    frees_output: bool = False,
 ) -> int:
     """Estimated training memory of stages ``[0, cut)`` for one batch, in bytes.
 
@@ -57,7 +59,14 @@ def client_train_memory_bytes(
       ``0 .. i``, the output at the cut (the step keeps it until the batch
       ends) and stage ``i``'s own saved tensors (its input excluded, being a
       boundary already); the inputs of later stages were freed when their
-      backward finished. The estimate is the largest of these moments.
+      backward finished. The estimate is the largest of these moments;
+    * ``checkpoint`` and ``frees_output`` (a step that drops the output at the
+      cut once it is sent, before the backward): the last stage is checkpointed
+      too, with a :class:`~splitlearn.models.lean.MaskReLU` at the cut. The
+      forward ends holding every stage's input and the output; after the
+      exchange the output is gone and backward rebuilds each stage in turn,
+      the last first (its saved tensors profiled with the mask), while the
+      inputs of that stage and the ones before it are held.
 
     Per-sample figures come from :meth:`SplittableModel.stage_costs` and scale
     with the batch. That profile runs in eval mode, so two things training
@@ -78,6 +87,9 @@ def client_train_memory_bytes(
         Samples per batch.
     checkpoint : bool, optional
         Per-stage activation checkpointing.
+    frees_output : bool, optional
+        With ``checkpoint``: the step frees the output at the cut once sent
+        (the split steps do), so the last stage is checkpointed too.
 
     Returns
     -------
@@ -89,8 +101,10 @@ def client_train_memory_bytes(
     ValueError
         If ``cut`` is not in ``1 .. model.num_stages``.
     """
-    costs = _client_costs(model, cut)
-    return _train_memory_bytes(model, costs, batch_size=batch_size, checkpoint=checkpoint)
+    lean = checkpoint and frees_output
+    costs = _client_costs(model, cut, lean_last=lean)
+    return _train_memory_bytes(model, costs, batch_size=batch_size, checkpoint=checkpoint,
+                               output_checkpointed=lean)
 
 
 def cross_entropy_memory_bytes(num_classes: int, *, batch_size: int) -> int:
@@ -105,7 +119,7 @@ def cross_entropy_memory_bytes(num_classes: int, *, batch_size: int) -> int:
 
 def cut_costs(
     model: SplittableModel, *, batch_size: int, leak: Mapping[int, float] | None = None,
-    tail_cut: int | None = None,
+    tail_cut: int | None = None, frees_output: bool = False,
 ) -> list[CutCost]:
     """Build the planner's cost table: one :class:`CutCost` per valid cut.
 
@@ -120,23 +134,30 @@ def cut_costs(
     tail_cut : int | None, optional
         U-shaped learning: the device also trains stages ``[tail_cut, n)`` and the
         loss, the trunk only ``[cut, tail_cut)``; only cuts below it are listed.
+    frees_output : bool, optional
+        The protocol's step drops the output at the cut once sent (see
+        :func:`client_train_memory_bytes`): checkpointing then rebuilds the
+        last stage too.
 
     Returns
     -------
     list[CutCost]
         In cut order. Client FLOPs are 3 forwards of ``[0, c)`` (plus the tail),
-        recomputation one more forward of ``[0, c - 1)`` (the last stage is not
-        checkpointed), the trunk's 3 forwards of ``[c, n)`` (or of
-        ``[c, tail_cut)``); smashed bytes are stage ``c - 1``'s output (float32;
-        plus the features at the tail cut, which come down as the activations go
-        up, and whose gradient goes up as the cut's comes down); parameter bytes
-        are float32 weights of the device's stages.
+        recomputation one more forward of ``[0, c)`` with ``frees_output``, else
+        of ``[0, c - 1)`` (the last stage is not checkpointed), the trunk's 3
+        forwards of ``[c, n)`` (or of ``[c, tail_cut)``); smashed bytes are stage
+        ``c - 1``'s output (float32; plus the features at the tail cut, which
+        come down as the activations go up, and whose gradient goes up as the
+        cut's comes down); parameter bytes are float32 weights of the device's
+        stages.
     """
     costs = model.stage_costs()
+    lean = lean_stage_costs(model) if frees_output else None
     leak = leak or {}
     cuts = [c for c in model.valid_cuts if tail_cut is None or c < tail_cut]
     table = [
-        _cut_cost(model, costs, cut, batch_size=batch_size, leak=leak.get(cut)) for cut in cuts
+        _cut_cost(model, costs, cut, batch_size=batch_size, leak=leak.get(cut), lean=lean)
+        for cut in cuts
     ]
     if tail_cut is None:
         return table
@@ -145,11 +166,18 @@ def cut_costs(
 
 def _cut_cost(
     model: SplittableModel, costs: list[StageCost], cut: int, *, batch_size: int,
-    leak: float | None,
+    leak: float | None, lean: list[StageCost] | None = None,
 ) -> CutCost:
+    """Build one row of :func:`cut_costs`.
+
+    ``lean`` (the stages with a masked ReLU at the cut) is given when the step
+    frees its output, so that checkpointing also rebuilds the last stage.
+    """
     client, server = costs[:cut], costs[cut:]
     forward = sum(c.flops_per_sample for c in client)
-    rebuilt = sum(c.flops_per_sample for c in client[:-1])  # the last stage runs plain
+    rebuilt_stages = client if lean is not None else client[:-1]
+    rebuilt = sum(c.flops_per_sample for c in rebuilt_stages)
+    checkpointed = client if lean is None else [*client[:-1], lean[cut - 1]]
     params = sum(c.params for c in client)
     return CutCost(
         cut=cut,
@@ -162,7 +190,8 @@ def _cut_cost(
         client_param_bytes=FLOAT32_BYTES * params,
         memory_bytes=_train_memory_bytes(model, client, batch_size=batch_size),
         checkpointed_memory_bytes=_train_memory_bytes(
-            model, client, batch_size=batch_size, checkpoint=True
+            model, checkpointed, batch_size=batch_size, checkpoint=True,
+            output_checkpointed=lean is not None,
         ),
         leak=leak,
     )
@@ -199,11 +228,13 @@ def tail_train_memory_bytes(model: SplittableModel, tail_cut: int, *, batch_size
 
 
 def _train_memory_bytes(
-    model: SplittableModel, costs: list[StageCost], *, batch_size: int, checkpoint: bool = False
+    model: SplittableModel, costs: list[StageCost], *, batch_size: int, checkpoint: bool = False,
+    output_checkpointed: bool = False,
 ) -> int:
     """Estimate as :func:`client_train_memory_bytes` does, for the stages of ``costs``."""
     if checkpoint:
-        per_sample = _checkpointed_bytes_per_sample(model, costs)
+        per_sample = _checkpointed_bytes_per_sample(
+            model, costs, output_checkpointed=output_checkpointed)
     else:
         per_sample = segment_memory_bytes_per_sample(costs)
     params = sum(c.params for c in costs)
@@ -228,12 +259,20 @@ def _batch_norm_statistics_bytes(stages: nn.Module) -> int:
     )
 
 
-def _client_costs(model: SplittableModel, cut: int) -> list[StageCost]:
-    """Stage costs of ``[0, cut)``, where ``cut`` may also be the whole model."""
+def _client_costs(model: SplittableModel, cut: int, *, lean_last: bool = False
+                  ) -> list[StageCost]:
+    """Stage costs of ``[0, cut)``, where ``cut`` may also be the whole model.
+
+    ``lean_last``: the last stage's costs as with a
+    :class:`~splitlearn.models.lean.MaskReLU` at the cut.
+    """
     whole = isinstance(cut, int) and not isinstance(cut, bool) and cut == model.num_stages
     if not whole:
         cut = _checked_cut(model, cut)
-    return model.stage_costs()[:cut]
+    costs = model.stage_costs()[:cut]
+    if lean_last:
+        costs[-1] = lean_stage_costs(model)[cut - 1]
+    return costs
 
 
 def _checked_cut(model: SplittableModel, cut: int) -> int:
@@ -246,13 +285,21 @@ def _checked_cut(model: SplittableModel, cut: int) -> int:
         ) from None
 
 
-def _checkpointed_bytes_per_sample(model: SplittableModel, costs: list[StageCost]) -> int:
+def _checkpointed_bytes_per_sample(
+    model: SplittableModel, costs: list[StageCost], *, output_checkpointed: bool = False
+) -> int:
     """Peak of the end of the forward and of backward's rebuilds (see the caller)."""
     # inputs[i]: bytes of stage i's input, the batch itself for stage 0.
     inputs = [FLOAT32_BYTES * math.prod(model.input_shape)]
     inputs += [c.activation_bytes_per_sample for c in costs[:-1]]
     last = costs[-1]
     held_output = last.activation_bytes_per_sample
+    if output_checkpointed:
+        # The output is sent and dropped before the backward, which rebuilds every stage.
+        return max(sum(inputs) + held_output, *(
+            sum(inputs[: i + 1]) + cost.train_memory_bytes_per_sample
+            - cost.input_saved_bytes_per_sample
+            for i, cost in enumerate(costs)))
     # The last stage runs plain: at the end of the forward the checkpointed stages'
     # inputs, the last stage's saved tensors and the output at the cut are held.
     forward_end = sum(inputs[:-1]) + segment_memory_bytes_per_sample([last])

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from clients.checkpointing import run_stages
 from clients.memory import MemoryMeter
@@ -30,6 +31,7 @@ from splitlearn.calibration import client_train_memory_bytes
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.models import SplittableModel
+from splitlearn.models.lean import mask_cut_relu
 from splitlearn.split import bottom_state, load_bottom_state, split
 
 
@@ -46,7 +48,10 @@ class ClientStep:
         This client's cut: stages ``[0, cut)`` are the device's.
     checkpoint : bool, optional
         Train the device's stages with per-stage activation checkpointing: less
-        memory (see :meth:`memory_bytes`) for one more forward of compute.
+        memory (see :meth:`memory_bytes`) for one more forward of compute. A step
+        that frees its sent output (:attr:`frees_sent_output`) also replaces the
+        ReLU that ends the cut's stage in ``model`` by a
+        :class:`~splitlearn.models.lean.MaskReLU` (the same function).
     """
 
     #: Data-plane round trips per training batch (the virtual clock charges an RTT each).
@@ -58,6 +63,10 @@ class ClientStep:
     #: Training batches per round whose memory is measured (the first ones): every
     #: batch holds as much, and the meter's hooks cost time on each batch it watches.
     measured_batches: ClassVar[int] = 3
+    #: Whether the step drops the output at the cut once it is sent, before the
+    #: backward (:func:`gradient_root`): with checkpointing, the last stage is then
+    #: checkpointed too, with a :class:`~splitlearn.models.lean.MaskReLU` at the cut.
+    frees_sent_output: ClassVar[bool] = False
 
     def __init__(
         self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
@@ -66,6 +75,8 @@ class ClientStep:
         self.spec = spec
         self.cut = model.check_cut(cut)
         self.checkpoint = checkpoint
+        if checkpoint and self.frees_sent_output:
+            mask_cut_relu(model, self.cut)
         self.bottom, _ = split(model, self.cut)
         #: Most bytes one measured training batch held (see :mod:`clients.memory`); 0 before.
         self.peak_memory_bytes = 0
@@ -92,7 +103,8 @@ class ClientStep:
     def memory_bytes(self, batch_size: int) -> int:
         """Estimated training memory of the device's modules for one batch (checkpointed if set)."""
         return client_train_memory_bytes(
-            self.model, self.cut, batch_size=batch_size, checkpoint=self.checkpoint
+            self.model, self.cut, batch_size=batch_size, checkpoint=self.checkpoint,
+            frees_output=self.frees_sent_output,
         )
 
     def train_batch(
@@ -143,7 +155,8 @@ class ClientStep:
         """
         meter = self._meter
         observe = nullcontext if meter is None else meter.observing
-        out = run_stages(stages, inputs, checkpoint=self.checkpoint, recompute_context=observe)
+        out = run_stages(stages, inputs, checkpoint=self.checkpoint,
+                         checkpoint_output=self.frees_sent_output, recompute_context=observe)
         if meter is not None:
             meter.watch(out)
         return out
@@ -188,6 +201,16 @@ class _UnmeteredCalls:
                 return value(*args, **kwargs)
 
         return unmetered
+
+
+def gradient_root(activations: Tensor) -> GradientEdge:
+    """Where a backward from the cut starts, without holding ``activations`` themselves.
+
+    A step that drops its last reference to the sent activations after taking
+    this lets their memory go before the backward (unless autograd saved them),
+    then runs ``torch.autograd.backward(root, grad)``.
+    """
+    return get_gradient_edge(activations)
 
 
 def _as_is(activations: Tensor) -> Tensor:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from clients.steps.base import ClientStep
+from clients.steps.base import ClientStep, gradient_root
 from splitlearn.dataplane import TrunkChannel
 
 
 class SplitStep(ClientStep):
     """The device trains stages ``[0, cut)`` against the trunk's gradient."""
+
+    frees_sent_output = True
 
     def _train_batch(
         self, inputs: Tensor, labels: Tensor, channel: TrunkChannel | None,
@@ -26,7 +28,9 @@ class SplitStep(ClientStep):
         activations = self.release(self.run_stages(self.bottom, inputs))
         grad, loss, correct = channel.forward(activations.detach(), labels)
         optimizer.zero_grad(set_to_none=True)
-        activations.backward(grad)
+        root = gradient_root(activations)
+        del activations  # sent: its memory goes now unless autograd saved it
+        torch.autograd.backward(root, grad)
         optimizer.step()
         return loss, correct
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from clients.steps.base import ClientStep, hits
+from clients.steps.base import ClientStep, gradient_root, hits
 from splitlearn.calibration import client_train_memory_bytes, tail_train_memory_bytes
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import TrunkChannel
@@ -23,6 +23,7 @@ class UShapedStep(ClientStep):
     """Head and tail trained on the device; the trunk runs the stages between."""
 
     exchanges_per_batch = 2
+    frees_sent_output = True
 
     def __init__(
         self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
@@ -44,7 +45,8 @@ class UShapedStep(ClientStep):
         """Estimate the head's memory plus the tail's saved activations and parameter state."""
         tail_bytes = tail_train_memory_bytes(self.model, self.tail_cut, batch_size=batch_size)
         return tail_bytes + client_train_memory_bytes(
-            self.model, self.cut, batch_size=batch_size, checkpoint=self.checkpoint
+            self.model, self.cut, batch_size=batch_size, checkpoint=self.checkpoint,
+            frees_output=self.frees_sent_output,
         )
 
     def _train_batch(
@@ -55,12 +57,14 @@ class UShapedStep(ClientStep):
         assert channel is not None
         activations = self.release(self.run_stages(self.head, inputs))
         features = channel.forward_features(activations.detach()).requires_grad_(True)
+        root = gradient_root(activations)
+        del activations  # sent: its memory goes now unless autograd saved it
         logits = self.tail(features)
         loss = nn.functional.cross_entropy(logits, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # the tail's gradients, and d loss / d features for the trunk
         assert features.grad is not None
-        activations.backward(channel.backward(features.grad))
+        torch.autograd.backward(root, channel.backward(features.grad))
         optimizer.step()
         return float(loss.detach()), hits(logits, labels)
 

@@ -23,6 +23,7 @@ from splitlearn.calibration import TRAIN_TO_FORWARD_FLOPS, client_train_memory_b
 from splitlearn.config import RunSpec
 from splitlearn.models import SplittableModel
 from splitlearn.models.base import segment_memory_bytes_per_sample
+from splitlearn.models.lean import MaskReLU, mask_cut_relu
 from strategies.local_loss import LocalLossOptions
 from strategies.ushaped import UShapedOptions
 from tests.conftest import digits_like_model, fixed_batches
@@ -82,11 +83,15 @@ def train(step: ClientStep, batches: list[tuple[Tensor, Tensor]], *, seed: int =
 # ---------------------------------------------------------------- checkpointed == plain
 
 
-@pytest.mark.parametrize("kind", ["split", "local_loss", "whole"])
-def test_checkpointed_step_equals_the_plain_step(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "network", "cut"), [
+    ("split", "bn_dropout", 2), ("local_loss", "bn_dropout", 2), ("whole", "bn_dropout", 2),
+    # Cuts after a ReLU: the split step masks it and frees the output it sent.
+    ("split", "resnet", 1), ("split", "resnet", 2),
+])
+def test_checkpointed_step_equals_the_plain_step(kind: str, network: str, cut: int) -> None:
     # One batch more than are measured: the meter's hooks and plain autograd both covered.
     batches = fixed_batches(ClientStep.measured_batches + 1, batch=BATCH)
-    model, cut = bn_dropout_model(), 2
+    model = bn_dropout_model() if network == "bn_dropout" else digits_like_model(network)
     plain = make_step(kind, copy.deepcopy(model), cut, checkpoint=False)
     checkpointed = make_step(kind, copy.deepcopy(model), cut, checkpoint=True)
     train(plain, batches)
@@ -113,7 +118,7 @@ def test_every_step_takes_the_checkpoint_option_and_estimates_with_it() -> None:
     model, batch = digits_like_model("resnet"), 32
     split = SplitStep(model, plain_spec(0.1), cut=3, checkpoint=True)
     assert split.memory_bytes(batch) == client_train_memory_bytes(
-        model, 3, batch_size=batch, checkpoint=True)
+        model, 3, batch_size=batch, checkpoint=True, frees_output=True)
     assert split.memory_bytes(batch) < SplitStep(model, plain_spec(0.1), cut=3).memory_bytes(batch)
     ushaped_spec = RunSpec(strategy=UShapedOptions(lr=0.1, momentum=0.0, tail_cut=4))
     local_spec = RunSpec(strategy=LocalLossOptions(lr=0.1, bulk=True))
@@ -155,6 +160,64 @@ def test_checkpointing_lowers_the_measured_peak_of_a_deep_bottom() -> None:
         train(step, fixed_batches(2, batch=BATCH))
         peaks[checkpoint] = step.peak_memory_bytes
     assert peaks[True] < 0.9 * peaks[False]
+
+
+def test_a_freed_output_and_a_masked_relu_lower_the_peak_at_a_relu_cut() -> None:
+    """At cut 1 (conv, BatchNorm, ReLU) the plain step holds the input, the BatchNorm's
+    input and the output; checkpointed, at most the input and one of the other two
+    (and a one-byte mask): about the output's bytes less."""
+    model = digits_like_model("resnet")
+    peaks = {}
+    for checkpoint in (False, True):
+        step = make_step("split", copy.deepcopy(model), 1, checkpoint=checkpoint)
+        train(step, fixed_batches(2, batch=BATCH))
+        peaks[checkpoint] = step.peak_memory_bytes
+    output_bytes = BATCH * model.stage_costs()[0].activation_bytes_per_sample
+    assert peaks[True] <= peaks[False] - 0.7 * output_bytes
+    masked = [m for m in model.modules() if isinstance(m, MaskReLU)]
+    assert not masked  # the steps trained copies
+
+
+def test_mask_relu_is_relu_with_a_one_byte_mask_saved() -> None:
+    x = torch.randn(4, 8, 5, 5)
+    x[0, 0] = 0.0  # ReLU's gradient at exactly 0 is 0, as threshold_backward has it
+    grad = torch.randn_like(x)
+    results = []
+    for relu in (nn.ReLU(), MaskReLU()):
+        leaf = x.clone().requires_grad_()
+        saved: list[Tensor] = []
+
+        def keep(t: Tensor, saved: list[Tensor] = saved) -> Tensor:
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            out = relu(leaf)
+        out.backward(grad)
+        results.append((out.detach(), leaf.grad, saved))
+    (out_a, grad_a, saved_a), (out_b, grad_b, saved_b) = results
+    assert torch.equal(out_a, out_b) and torch.equal(grad_a, grad_b)
+    assert [t.dtype for t in saved_a] == [torch.float32]
+    assert [t.dtype for t in saved_b] == [torch.bool]
+    assert saved_b[0].shape == x.shape
+    with torch.no_grad():  # nothing saved, the same function
+        assert torch.equal(MaskReLU()(x), torch.relu(x))
+
+
+def test_mask_cut_relu_replaces_only_the_relu_that_makes_the_stage_output() -> None:
+    model = digits_like_model("resnet")
+    keys = model.state_dict().keys()
+    assert mask_cut_relu(model, 1)  # the stem: Sequential(conv, BatchNorm, ReLU)
+    assert isinstance(model.stages[0][-1], MaskReLU)
+    assert mask_cut_relu(model, 2)  # a group of blocks: the last block's relu2
+    block = model.stages[1][-1]
+    assert isinstance(block.relu2, MaskReLU) and not isinstance(block.relu1, MaskReLU)
+    assert not mask_cut_relu(model, 2)  # already masked
+    assert model.state_dict().keys() == keys
+    assert sum(isinstance(m, MaskReLU) for m in model.modules()) == 2
+    assert not mask_cut_relu(bn_dropout_model(), 2)  # ends in max pooling
+    with pytest.raises(ValueError, match="cut"):
+        mask_cut_relu(model, 0)
 
 
 def test_meter_counts_a_storage_once_and_only_while_it_lives() -> None:
@@ -231,6 +294,19 @@ def test_cut_costs_follow_the_stage_costs() -> None:
     assert table[1].leak == 0.5
 
 
+def test_a_step_that_frees_its_output_has_the_last_stage_rebuilt_in_the_table() -> None:
+    model = digits_like_model("resnet")
+    costs = model.stage_costs()
+    table = cut_costs(model, batch_size=BATCH, frees_output=True)
+    for row in table:
+        client = costs[:row.cut]
+        assert row.recompute_flops_per_sample == sum(c.flops_per_sample for c in client)
+        assert row.checkpointed_memory_bytes == SplitStep(
+            copy.deepcopy(model), plain_spec(0.1), cut=row.cut, checkpoint=True
+        ).memory_bytes(BATCH)
+        assert row.memory_bytes == client_train_memory_bytes(model, row.cut, batch_size=BATCH)
+
+
 def test_a_ushaped_cost_table_puts_the_tail_on_the_device() -> None:
     """Per-client cuts for U-shaped learning: the tail's work, weights, memory and features
     are the device's at every cut; the trunk does only the stages between."""
@@ -238,13 +314,15 @@ def test_a_ushaped_cost_table_puts_the_tail_on_the_device() -> None:
     costs = model.stage_costs()
     tail_cut = 4
     plain = {row.cut: row for row in cut_costs(model, batch_size=BATCH)}
-    table = cut_costs(model, batch_size=BATCH, tail_cut=tail_cut)
+    table = cut_costs(model, batch_size=BATCH, tail_cut=tail_cut, frees_output=True)
     assert [row.cut for row in table] == [1, 2, 3]  # the trunk keeps at least one stage
     tail = costs[tail_cut:]
     for row in table:
         split_row = plain[row.cut]
         tail_flops = 3 * sum(c.flops_per_sample for c in tail)
         assert row.client_flops_per_sample == split_row.client_flops_per_sample + tail_flops
+        assert row.recompute_flops_per_sample == sum(
+            c.flops_per_sample for c in costs[:row.cut])  # the head only, all of it
         assert row.server_flops_per_sample == 3 * sum(
             c.flops_per_sample for c in costs[row.cut:tail_cut])
         assert row.smashed_bytes_per_sample == (split_row.smashed_bytes_per_sample
@@ -254,7 +332,7 @@ def test_a_ushaped_cost_table_puts_the_tail_on_the_device() -> None:
         spec = RunSpec(strategy=UShapedOptions(tail_cut=tail_cut))
         assert row.memory_bytes == UShapedStep(model, spec, cut=row.cut).memory_bytes(BATCH)
         assert row.checkpointed_memory_bytes == UShapedStep(
-            model, spec, cut=row.cut, checkpoint=True).memory_bytes(BATCH)
+            copy.deepcopy(model), spec, cut=row.cut, checkpoint=True).memory_bytes(BATCH)
         assert (row.exchanges_per_batch, split_row.exchanges_per_batch) == (2, 1)
 
 
