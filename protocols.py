@@ -68,7 +68,8 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (
     Protocol("sequential", SequentialOptions, SequentialSplit, SplitStep, shared_sessions),
     Protocol("ushaped", UShapedOptions, SplitFed, UShapedStep, ushaped_sessions,
              per_client_cuts=True),
-    Protocol("local_loss", LocalLossOptions, LocalLossSplit, LocalLossStep, local_loss_sessions),
+    Protocol("local_loss", LocalLossOptions, LocalLossSplit, LocalLossStep, local_loss_sessions,
+             per_client_cuts=True),
     Protocol("sglr", SGLROptions, SplitFed, SplitStep, sglr_sessions, per_client_cuts=True),
 )}
 

@@ -17,7 +17,7 @@ import shlex
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -138,10 +138,14 @@ def make_planning(cfg: DictConfig, trunk: Trunk, *, host_flops_per_s: float
         return None
     allowed = set(settings.cuts or trunk.model.valid_cuts)
     leak = {int(k): float(v) for k, v in settings.leak.items()}
-    frees_output = protocol_named(cfg.strategy.name).client.frees_sent_output
-    costs = [c for c in cut_costs(trunk.model, batch_size=cfg.strategy.batch_size, leak=leak,
-                                  tail_cut=tail_cut_of(cfg.strategy, trunk.model),
-                                  frees_output=frees_output)
+    step = protocol_named(cfg.strategy.name).client
+    # The step says how it talks to the trunk: round trips per batch, and whether a
+    # gradient comes back (local loss only sends).
+    costs = [replace(c, exchanges_per_batch=step.exchanges_per_batch,
+                     returns_gradient=step.receives_gradient)
+             for c in cut_costs(trunk.model, batch_size=cfg.strategy.batch_size, leak=leak,
+                                tail_cut=tail_cut_of(cfg.strategy, trunk.model),
+                                frees_output=step.frees_sent_output)
              if c.cut in allowed]
     planner = build_planner(settings, costs, shared_trunk=cfg.strategy.name != "splitfed_v1",
                             seed=cfg.seed)
@@ -223,9 +227,9 @@ def make_strategy(runtime: SplitRuntime, reporter: RoundReporter) -> Strategy:
 def initial_arrays(runtime: SplitRuntime) -> ArrayRecord:
     """Return what the clients hold at round 1 (the protocol's client step says which stages)."""
     planning = runtime.planning
-    cut = planning.max_cut if planning is not None else runtime.spec.model.cut
-    step = runtime.protocol.client(runtime.trunk.model, runtime.spec, cut=cut)
-    return state_to_record(step.state())
+    cuts = sorted(planning.costs) if planning is not None else [runtime.spec.model.cut]
+    state = runtime.protocol.client.initial_state(runtime.trunk.model, runtime.spec, cuts=cuts)
+    return state_to_record(state)
 
 
 def joined_model(runtime: SplitRuntime, arrays: ArrayRecord) -> SplittableModel:

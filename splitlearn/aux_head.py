@@ -10,6 +10,13 @@ see :mod:`splitlearn.split`). The head is not part of the evaluated model: it
 only trains the bottom, so anything that loads a client state into a
 :class:`~splitlearn.models.SplittableModel` first takes the aux entries out
 with :func:`split_client_state`.
+
+A head's input is the activations at its client's cut, so clients of one round
+at different cuts (per-client cuts, ``planner=``) train heads of different
+shapes. The global arrays therefore keep one head per cut, under
+``"aux@<cut>.<name>"`` (:func:`cut_aux_prefix`); each client is sent its own
+cut's head under the plain prefix, and heads are averaged only among the
+clients that hold the same cut (:func:`heads_by_cut`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,48 @@ from torch import Tensor, nn
 
 #: Prefix of the auxiliary head's keys in a client state / ArrayRecord.
 AUX_PREFIX = "aux."
+#: What every head key starts with, a client's (``aux.``) or a cut's (``aux@<cut>.``).
+_HEAD_MARK = "aux"
+
+
+def cut_aux_prefix(cut: int) -> str:
+    """Prefix of the head for ``cut`` in the global arrays (``"aux@<cut>."``)."""
+    return f"{_HEAD_MARK}@{int(cut)}."
+
+
+def heads_by_cut(
+    state: Mapping[str, Tensor],
+) -> tuple[dict[str, Tensor], dict[int, dict[str, Tensor]]]:
+    """Separate global arrays into stage entries and each cut's head.
+
+    Returns
+    -------
+    tuple[dict[str, Tensor], dict[int, dict[str, Tensor]]]
+        ``(stages, heads)``: stage entries unchanged; per cut, its head's
+        entries without the prefix (ready for ``head.load_state_dict``).
+
+    Raises
+    ------
+    ValueError
+        If a head key does not name a cut (``"aux@<cut>.<name>"``).
+    """
+    stages: dict[str, Tensor] = {}
+    heads: dict[int, dict[str, Tensor]] = {}
+    for key, value in state.items():
+        if not key.startswith(_HEAD_MARK):
+            stages[key] = value
+            continue
+        cut, dot, name = key[len(_HEAD_MARK) + 1:].partition(".")
+        if not key.startswith(_HEAD_MARK + "@") or not dot or not cut.isdigit():
+            raise ValueError(f"{key!r} is not a cut's head key ('aux@<cut>.<name>')")
+        heads.setdefault(int(cut), {})[name] = value
+    return stages, heads
+
+
+def keyed_heads(heads: Mapping[int, Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Flatten heads by cut back into ``"aux@<cut>.<name>"`` entries."""
+    return {cut_aux_prefix(cut) + name: value
+            for cut, head in heads.items() for name, value in head.items()}
 
 
 def build_aux_head(
@@ -93,5 +142,5 @@ def split_client_state(
 
 
 def without_aux(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Return the stage entries of a client state (what the evaluated model holds)."""
-    return split_client_state(state)[0]
+    """Return the stage entries of a client state or the global arrays (any head left out)."""
+    return {k: v for k, v in state.items() if not k.startswith(_HEAD_MARK)}

@@ -10,22 +10,40 @@ ArrayRecord per reply), and only the clients that finished are trained on, batch
 by batch, in an order shuffled by the seed and the round. A reply grows by
 ``local_epochs x samples x cut bytes`` (digits, CNN cut 1: 8 KiB per sample);
 Flower's gRPC transport caps a message at 512 MiB, so large datasets should stream.
+
+Clients may hold different cuts (``planner=``): the global arrays keep one
+auxiliary head per cut (:func:`splitlearn.aux_head.cut_aux_prefix`); each
+client gets its cut's head and the stages below its cut, the trunk trains each
+batch from the cut it came from, and at round end every stage is averaged over
+the copies that trained it (the trunk's included, :mod:`server.sessions.merge`)
+and every head over the clients at its cut. With equal cuts this is FedAvg of
+the client sides, as before.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
 from torch import Tensor
 
 from clients.steps.local_loss import SMASHED_RECORD_KEY, unpack_smashed
+from server.sessions.merge import weighted_average
+from splitlearn.aux_head import (
+    AUX_PREFIX,
+    cut_aux_prefix,
+    heads_by_cut,
+    keyed_heads,
+    split_client_state,
+)
 from splitlearn.config import StrategyConfig
-from splitlearn.wire import record_to_state
+from splitlearn.wire import record_to_state, state_to_record
 from strategies.reporting import reply_metrics
 from strategies.splitfed import SplitFed
 
@@ -58,6 +76,37 @@ class LocalLossSplit(SplitFed):
         #: Bulk mode, per round: batches trained and refused.
         self.bulk_batches: dict[int, dict[str, int]] = {}
         self._smashed: dict[str, tuple[int, ArrayRecord]] = {}
+        self._global = ArrayRecord()
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Keep the round's global arrays: heads of cuts nobody trains stay as they are."""
+        self._global = arrays
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def client_arrays(self, node: int, arrays: ArrayRecord) -> ArrayRecord:
+        """Return the stages ``node`` holds at its cut and its cut's head (under ``aux.``)."""
+        prefix = cut_aux_prefix(self.assignment(node).cut)
+        stages = ArrayRecord({k: v for k, v in arrays.items() if not k.startswith("aux")})
+        head = {AUX_PREFIX + k[len(prefix):]: v for k, v in arrays.items()
+                if k.startswith(prefix)}
+        return ArrayRecord({**super().client_arrays(node, stages), **head})
+
+    def aggregate_arrays(self, server_round: int, finished: list[Message]) -> ArrayRecord:
+        """Merge the stages over every copy that trained them; average each cut's heads."""
+        stage_updates, head_updates = [], defaultdict(list)
+        for reply in finished:
+            stages, head = split_client_state(record_to_state(reply.content[self.arrayrecord_key]))
+            samples = int(reply_metrics(reply)[self.weighted_by_key])
+            stage_updates.append((stages, samples))
+            head_updates[self.assignment(reply.metadata.src_node_id).cut].append((head, samples))
+        merge = getattr(self.trunk, "merge_round", None)  # a trunk side may not merge
+        merged = (merge(stage_updates, upto=self.global_cut) if merge is not None
+                  else weighted_average(stage_updates))
+        _, heads = heads_by_cut(record_to_state(self._global))
+        heads |= {cut: weighted_average(parts) for cut, parts in head_updates.items()}
+        return state_to_record(merged | keyed_heads(heads))
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -100,7 +149,7 @@ class LocalLossSplit(SplitFed):
         counts = {"trained": 0, "refused": 0}
         for client, acts, labels in batches:
             try:
-                trunk.train_bulk(client, self.spec.model.cut, acts, labels)
+                trunk.train_bulk(client, self.assignment(int(client)).cut, acts, labels)
                 counts["trained"] += 1
             except ValueError as err:
                 counts["refused"] += 1

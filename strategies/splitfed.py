@@ -118,8 +118,8 @@ class SplitFed(ReportingFedAvg):
     def aggregate_arrays(self, server_round: int, finished: list[Message]) -> ArrayRecord:
         """Merge every stage over the copies that trained it, client and trunk alike.
 
-        Protocols whose trunk side cannot merge per stage (local loss) average the
-        client sides as FedAvg does (their clients all hold ``model.cut``).
+        A trunk side that cannot merge per stage gets FedAvg of the client sides
+        (its clients all hold ``model.cut``).
         """
         merge = getattr(self.trunk, "merge_round", None)
         if merge is None:

@@ -17,7 +17,7 @@ Subclasses implement :meth:`ClientStep._train_batch`; the loop calls
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any, ClassVar, cast
 
@@ -56,6 +56,8 @@ class ClientStep:
 
     #: Data-plane round trips per training batch (the virtual clock charges an RTT each).
     exchanges_per_batch: ClassVar[int] = 1
+    #: Whether the trunk's gradient at the cut comes back (local loss only sends).
+    receives_gradient: ClassVar[bool] = True
     #: Whether the device sends activations (activation privacy applies).
     sends_activations: ClassVar[bool] = True
     #: Whether the step talks to the trunk over a data-plane channel.
@@ -87,6 +89,17 @@ class ClientStep:
         #: Bytes this round moved outside the data plane (e.g. in the Flower reply).
         self.extra_bytes_up = 0
         self.extra_bytes_down = 0
+
+    @classmethod
+    def initial_state(
+        cls, model: SplittableModel, spec: RunSpec, *, cuts: Sequence[int]
+    ) -> dict[str, Tensor]:
+        """Return the global arrays of round 1 when clients may hold any of ``cuts``.
+
+        By default what a client at the deepest cut holds: every stage a client
+        may be sent.
+        """
+        return cls(model, spec, cut=max(cuts)).state()
 
     def trained(self) -> nn.Module:
         """Return the modules the device trains (their parameters go to the optimiser)."""

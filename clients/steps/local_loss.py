@@ -10,13 +10,19 @@ keys) and are averaged with them; it is never part of the evaluated model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from clients.steps.base import ClientStep, hits
-from splitlearn.aux_head import aux_state, build_aux_head, split_client_state
+from splitlearn.aux_head import (
+    aux_state,
+    build_aux_head,
+    keyed_heads,
+    split_client_state,
+    without_aux,
+)
 from splitlearn.calibration import client_train_memory_bytes
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import TrunkChannel
@@ -31,6 +37,7 @@ class LocalLossStep(ClientStep):
     """Bottom and auxiliary head trained on the local loss; smashed data sent one way."""
 
     exchanges_per_batch = 0
+    receives_gradient = False
 
     def __init__(
         self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
@@ -45,6 +52,18 @@ class LocalLossStep(ClientStep):
         )
         self._parts = nn.ModuleList([self.bottom, self.aux])
         self._kept: list[tuple[Tensor, Tensor]] = []
+
+    @classmethod
+    def initial_state(
+        cls, model: SplittableModel, spec: RunSpec, *, cuts: Sequence[int]
+    ) -> dict[str, Tensor]:
+        """Stages of the deepest cut, and a head per cut (as each cut's clients seed it)."""
+        stages = without_aux(cls(model, spec, cut=max(cuts)).state())
+        heads = {cut: build_aux_head(
+            model.cut_shape(cut), model.num_classes,
+            hidden=spec.strategy.aux_hidden, seed=spec.seed,  # type: ignore[attr-defined]
+        ).state_dict() for cut in cuts}
+        return stages | keyed_heads(heads)
 
     def trained(self) -> nn.Module:
         """Bottom and auxiliary head."""

@@ -80,6 +80,18 @@ def merge_stages(copies: Sequence[StageCopy]) -> dict[str, Tensor]:
     return merged
 
 
+def weighted_average(
+    parts: Sequence[tuple[Mapping[str, Tensor], int]],
+) -> dict[str, Tensor]:
+    """Average states with the same keys, weighted by samples, as FedAvg does.
+
+    Used for what no stage index keys (local loss's auxiliary heads, one cut's).
+    """
+    total = sum(n for _, n in parts)
+    return {key: _weighted_mean([(state[key], n / total) for state, n in parts])
+            for key in parts[0][0]}
+
+
 def _weighted_mean(parts: Sequence[tuple[Tensor, float]]) -> Tensor:
     first, weight = parts[0]
     if len(parts) == 1:  # a single copy is kept bit for bit

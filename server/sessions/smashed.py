@@ -27,11 +27,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
+from server.sessions.merge import client_copy
 from server.sessions.split import SharedTrunk, checked_batch, train_on_batch
 from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, StrategyConfig
@@ -81,6 +82,7 @@ class SmashedSession:
     ) -> None:
         if max_queue_bytes < 1:
             raise ValueError(f"max_queue_bytes must be >= 1, got {max_queue_bytes}")
+        self.pool = pool
         self.trunk: Trunk = pool.trunk
         self.limits = limits
         self.max_queue_bytes = max_queue_bytes
@@ -186,6 +188,17 @@ class SmashedSession:
                 kept.append(batch)
         self._queue = kept
         self._cond.notify_all()
+
+    def merge_round(
+        self, updates: Sequence[tuple[Mapping[str, Tensor], int]], *, upto: int
+    ) -> dict[str, Tensor]:
+        """Merge the clients' stages with the trunk's copy, per stage (after the drain).
+
+        See :meth:`server.sessions.split.SharedTrunk.merge_round`: a stage is
+        averaged over every copy that trained it, so with equal cuts the client
+        stages are FedAvg'd and the trunk keeps its own.
+        """
+        return self.pool.merge_round([client_copy(s, n) for s, n in updates], upto=upto)
 
     def train_bulk(self, client: str, cut: int, activations: Tensor, labels: Tensor) -> None:
         """Bulk mode: validate one batch of a reply's smashed data like a frame; train on it.

@@ -56,7 +56,10 @@ class CutCost:
         A measured attack score at this cut (e.g. inversion SSIM; higher
         reveals more), or None when not measured.
     exchanges_per_batch : int
-        Round trips with the trunk per batch (U-shaped learning: 2).
+        Round trips with the trunk per batch (U-shaped learning: 2; local loss,
+        which only sends: 0).
+    returns_gradient : bool
+        Whether the gradient at the cut comes back down (not with local loss).
     """
 
     cut: int
@@ -69,6 +72,7 @@ class CutCost:
     checkpointed_memory_bytes: int
     leak: float | None = None
     exchanges_per_batch: int = 1
+    returns_gradient: bool = True
 
 
 @dataclass(frozen=True)
@@ -145,11 +149,12 @@ def client_seconds(client: ClientState, cost: CutCost, *, checkpoint: bool = Fal
     """Predicted seconds of the client's own compute and transfers at ``cost.cut``."""
     flops = cost.client_flops_per_sample + (cost.recompute_flops_per_sample if checkpoint else 0.0)
     activations = client.samples * cost.smashed_bytes_per_sample
+    gradients = activations if cost.returns_gradient else 0
     weights = cost.client_param_bytes
     return (
         client.samples * flops / client.flops_per_s
         + (activations + weights) / client.uplink_bytes_per_s
-        + (activations + weights) / client.downlink_bytes_per_s
+        + (gradients + weights) / client.downlink_bytes_per_s
         + client.batches * cost.exchanges_per_batch * client.rtt_s
     )
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.app.metadata import validate_message_type
 from torch import Tensor, nn
 
@@ -32,7 +32,8 @@ from splitlearn.aux_head import (
     AUX_PREFIX,
     aux_state,
     build_aux_head,
-    split_client_state,
+    cut_aux_prefix,
+    heads_by_cut,
     without_aux,
 )
 from splitlearn.config import DataPlaneConfig, PrivacyConfig, RunSpec
@@ -45,13 +46,14 @@ from splitlearn.dataplane import (
 )
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import encode_tensor
+from splitlearn.planning.cost import Assignment
 from splitlearn.privacy import ClientPrivacy
 from splitlearn.split import load_bottom_state, split
 from splitlearn.wire import record_to_state, state_to_record
 from strategies.local_loss import LocalLossOptions, LocalLossSplit
 from strategies.splitfed import DataPlaneAccess
 from tests.conftest import digits_like_model, fixed_batches
-from tests.helpers import max_param_diff, send_raw
+from tests.helpers import ScriptedGrid, max_param_diff, send_raw
 
 LR = 0.1
 LIMITS = DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64)
@@ -159,19 +161,24 @@ def test_initial_state_holds_bottom_and_aux_and_evaluation_ignores_the_aux():
     runtime = SimpleNamespace(protocol=protocol_named("local_loss"), spec=spec,
                               trunk=Trunk(copy.deepcopy(model), lr=LR), planning=None)
     state = record_to_state(initial_arrays(runtime))
-    stages, aux = split_client_state(state)
+    stages, heads = heads_by_cut(state)  # one head per cut in play: here model.cut's
     assert set(stages) == set(split(model, 1)[0].state_dict())
-    assert set(aux) == {"1.weight", "1.bias", "3.weight", "3.bias"}
-    assert aux["1.weight"].shape == (8, int(np.prod(model.cut_shape(1))))
+    assert set(heads) == {1}
+    assert set(heads[1]) == {"1.weight", "1.bias", "3.weight", "3.bias"}
+    assert heads[1]["1.weight"].shape == (8, int(np.prod(model.cut_shape(1))))
     with pytest.raises(ValueError, match="does not name a stage"):
         load_bottom_state(copy.deepcopy(model), state)  # strict about stage keys ...
     load_bottom_state(copy.deepcopy(model), without_aux(state))  # ... so evaluation filters
-    # A client step rebuilds exactly that bottom and head from the record.
+    # A client step rebuilds exactly that bottom and head from what it is sent.
+    sent = stages | {AUX_PREFIX + k: v for k, v in heads[1].items()}
     step = LocalLossStep(digits_like_model(seed=5), spec, cut=1)
-    step.load(state)
-    assert all(torch.equal(v, state[AUX_PREFIX + k]) for k, v in step.aux.state_dict().items())
-    assert all(torch.equal(v, state[k]) for k, v in step.bottom.state_dict().items())
-    assert step.state().keys() == state.keys()
+    step.load(sent)
+    assert all(torch.equal(v, sent[AUX_PREFIX + k]) for k, v in step.aux.state_dict().items())
+    assert all(torch.equal(v, sent[k]) for k, v in step.bottom.state_dict().items())
+    assert step.state().keys() == sent.keys()
+    # The head a client at that cut seeds for itself is the one in the global arrays.
+    fresh = LocalLossStep(digits_like_model(seed=5), spec, cut=1).aux.state_dict()
+    assert all(torch.equal(v, heads[1][k]) for k, v in fresh.items())
 
 
 def train_reply(node: int, arrays: dict[str, np.ndarray], examples: int) -> Message:
@@ -197,10 +204,49 @@ def test_the_aux_head_is_averaged_with_the_bottom(task_identity):
     arrays, metrics = strategy.aggregate_train(
         1, [train_reply(1, ws[0], 10), vanished, train_reply(3, ws[1], 30)])
     assert arrays is not None and metrics is not None
-    for key in keys:  # FedAvg by examples, the head's entries like the bottom's
+    for key in keys:  # FedAvg by examples, the head's entries (kept as cut 1's) like the bottom's
         expected = np.average([ws[0][key], ws[1][key]], axis=0, weights=[10, 30])
-        np.testing.assert_allclose(arrays[key].numpy(), expected, rtol=1e-6)
+        kept = key.replace(AUX_PREFIX, cut_aux_prefix(1), 1)
+        np.testing.assert_allclose(arrays[kept].numpy(), expected, rtol=1e-6)
     assert finished == [["1", "3"]] and metrics["failed-clients"] == 1
+
+
+def test_each_cut_keeps_its_own_head_averaged_over_the_clients_at_that_cut(task_identity,
+                                                                           monkeypatch):
+    """Per-client cuts: a head's input is its cut's activations, so heads are kept per cut,
+    each client is sent its cut's, and a cut nobody held this round keeps its head."""
+    rng = np.random.default_rng(1)
+    cut_of = {1: 1, 2: 1, 3: 2}
+    heads = {cut: rng.normal(size=(10, 4 * cut)).astype(np.float32) for cut in (1, 2, 3)}
+    global_arrays = ArrayRecord({"0.0.weight": Array(np.ones((2, 2), np.float32)),
+                                 **{f"aux@{c}.1.weight": Array(h) for c, h in heads.items()}})
+    strategy = LocalLossSplit(
+        protocol="local_loss", spec=ll_spec(),
+        dataplane=DataPlaneAccess(TokenRegistry(), "127.0.0.1:1", 60.0),
+        trunk=SimpleNamespace(finish_round=lambda finished: None,
+                              merge_round=lambda updates, upto: dict(updates[0][0])),
+    )
+    monkeypatch.setattr(strategy, "assignment", lambda node: Assignment(str(node), cut_of[node]))
+    sent = strategy.configure_train(1, global_arrays, ConfigRecord(),
+                                    ScriptedGrid([1, 2, 3], answer=lambda m: m))
+    for message in sent:
+        arrays = message.content["arrays"]
+        assert set(arrays) == {"0.0.weight", "aux.1.weight"}
+        mine = heads[cut_of[message.metadata.dst_node_id]]
+        np.testing.assert_array_equal(arrays["aux.1.weight"].numpy(), mine)
+    trained = {n: rng.normal(size=heads[c].shape).astype(np.float32) for n, c in cut_of.items()}
+    replies = [train_reply(n, {"0.0.weight": np.zeros((2, 2), np.float32),
+                               "aux.1.weight": trained[n]}, examples)
+               for n, examples in ((1, 10), (2, 30), (3, 5))]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    assert arrays is not None
+    np.testing.assert_allclose(arrays["aux@1.1.weight"].numpy(),
+                               np.average([trained[1], trained[2]], axis=0, weights=[10, 30]),
+                               rtol=1e-6)
+    np.testing.assert_array_equal(arrays["aux@2.1.weight"].numpy(), trained[3])
+    np.testing.assert_array_equal(arrays["aux@3.1.weight"].numpy(), heads[3])  # untouched
+    with pytest.raises(ValueError, match="cut's head key"):
+        heads_by_cut({"aux@x.1.weight": torch.zeros(1)})
 
 
 def test_local_loss_is_registered_under_valid_message_types():

@@ -99,13 +99,13 @@ def test_every_protocol_strategy_sends_its_typed_messages(runtime_for, name):
     assert isinstance(strategy, SplitFed) == (protocol.trunk is not None)
     arrays = initial_arrays(runtime)
     step = protocol.client(runtime.trunk.model, runtime.spec, cut=runtime.spec.model.cut)
-    assert set(arrays) == set(step.state())
     grid = ScriptedGrid([1, 2, 3], answer=lambda m: m)
     messages: list[Message] = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
     assert len(messages) == 3
     for message in messages:
         assert message.metadata.message_type == f"train.{name}"
         content: RecordDict = message.content
+        assert set(content[strategy.arrayrecord_key]) == set(step.state())  # what it will hold
         # What the ClientApp decodes: the spec against the protocol's schema.
         spec = decode_spec(str(content["config"][SPEC_KEY]), strategy=protocol.options)
         assert spec == runtime.spec
