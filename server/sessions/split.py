@@ -35,6 +35,7 @@ from server.sessions.merge import (
     client_copy,
     client_stages,
     merge_stages,
+    stage_of,
     trunk_copy,
 )
 from server.trunk import Trunk
@@ -64,6 +65,19 @@ class SharedTrunk:
 
     def finish_round(self, finished: Iterable[str]) -> None:
         """Nothing to settle: updates were applied as batches arrived."""
+
+    def take_turn(self, client: Mapping[str, Tensor], *, upto: int) -> dict[str, Tensor]:
+        """Sequential learning: a finished turn's stages replace the trunk's copies.
+
+        Turns train one after another, so each stage's latest copy wins (nothing
+        is averaged): the client's for the stages it sent, the trunk's own for
+        the rest. The trunk's momentum of the client's stages is dropped (its
+        direction predates the turn). Returns stages ``[0, upto)``, what the
+        next turn's client is sent from.
+        """
+        self.trunk.load_stages(client)
+        self.trunk.forget_optimizer_state({stage_of(k) for k in client})
+        return {k: v for k, v in self.trunk.stage_state().items() if stage_of(k) < upto}
 
     def merge_round(self, clients: Sequence[StageCopy], *, upto: int) -> dict[str, Tensor]:
         """Merge the clients' copies with the trunk's, per stage; return the clients' stages.
@@ -222,6 +236,10 @@ class SplitSession:
         Returns stages ``[0, upto)`` of the merged model (see :mod:`server.sessions.merge`).
         """
         return self.pool.merge_round([client_copy(s, n) for s, n in updates], upto=upto)
+
+    def take_turn(self, client: Mapping[str, Tensor], *, upto: int) -> dict[str, Tensor]:
+        """Hand a finished sequential turn's stages to the trunk (see ``SharedTrunk``)."""
+        return self.pool.take_turn(client, upto=upto)
 
 
 @dataclass

@@ -147,7 +147,6 @@ def test_traces_change_devices_from_their_round_on():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["planner=dynsl", "strategy=sequential"], "strategy=sequential needs one cut for all"),
     (["planner=dynsl", "strategy=ushaped", "planner.cuts=[1,4]"],
      "cut 4 leaves the trunk no stage below the U-shaped tail cut 4"),
     (["planner=greedy", "privacy=activation_gaussian", "model=resnet", "model.cut=2",

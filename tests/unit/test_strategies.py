@@ -444,8 +444,10 @@ def test_tokens_expire():
 
 
 def sequential_grid(nodes: list[int], *, fails: set[int] = frozenset(),
-                    late: set[int] = frozenset()) -> ScriptedGrid:
-    """Each node adds its id to every array; ``fails`` error out, ``late`` are stragglers."""
+                    late: set[int] = frozenset(), poisons: set[int] = frozenset()
+                    ) -> ScriptedGrid:
+    """Each node adds its id to every array; ``fails`` error out, ``late`` are stragglers,
+    ``poisons`` send NaN weights back."""
 
     def answer(message: Message) -> Message:
         node = message.metadata.dst_node_id
@@ -454,6 +456,9 @@ def sequential_grid(nodes: list[int], *, fails: set[int] = frozenset(),
                            reply_to=message)
         if node in fails:
             return failed(node, to=message)
+        if node in poisons:
+            return trained(node, {k: v * np.nan for k, v in sent(message).items()}, 10,
+                           to=message)
         return trained(node, {k: v + node for k, v in sent(message).items()}, 10, to=message,
                        virtual_s=9.0 if node in late else 1.0)
 
@@ -492,6 +497,19 @@ def test_turn_by_turn_grid_sends_one_message_at_a_time_from_the_last_finished_we
     np.testing.assert_allclose(value(arrays), np.full((3, 2), expected))  # 1 + 3 + 5
     assert expected == 9.0
     assert metrics["num-examples"] == 30 and metrics["failed-clients"] == 2
+
+
+def test_a_turn_that_sends_back_bad_weights_is_not_handed_to_the_next_client():
+    grid = sequential_grid([1, 2, 3], poisons={2})
+    strategy = sequential()
+    turns = strategy.wrap_grid(grid)
+    messages = list(strategy.configure_train(1, start_arrays(), ConfigRecord(), turns))
+    replies = list(turns.send_and_receive(messages))
+    for call in grid.calls:  # whoever came after client 2 started from finite weights
+        assert np.isfinite(sent(call[0])["0.weight"]).all(), call[0].metadata.dst_node_id
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    np.testing.assert_allclose(value(arrays), np.full((3, 2), 4.0))  # 1 + 3: 2's is dropped
+    assert metrics["clients-refused"] == 1
 
 
 def test_turn_by_turn_grid_passes_evaluation_through_untouched():
