@@ -224,6 +224,9 @@ class PlannerConfig:
     every: int = 5  # dynsl: re-plan every R rounds
     hysteresis: float = 0.05  # dynsl: a move must gain (1 + h) x its cost, and h x the round
     select_fraction: float = 1.0  # smartsplit: share of the clients that train per round
+    # smartsplit: if set, the fewest; each round the size in between with the most utility
+    # per predicted second trains (None: always select_fraction)
+    min_select_fraction: float | None = None
     exploration: float = 0.1  # smartsplit: weight of the staleness bonus (Oort's 0.1)
     straggler_penalty: float = 2.0  # smartsplit: exponent of the slow-device penalty (Oort's 2)
     selection: str = "utility"  # smartsplit: utility | random (the baseline among feasible ones)
@@ -247,6 +250,10 @@ class PlannerConfig:
             raise ValueError(
                 f"planner.select_fraction must be in (0, 1], got {self.select_fraction}"
             )
+        if self.min_select_fraction is not None and not (
+                0 < self.min_select_fraction <= self.select_fraction):
+            raise ValueError(f"planner.min_select_fraction must be in (0, select_fraction="
+                             f"{self.select_fraction}], got {self.min_select_fraction}")
         if self.selection not in ("utility", "random"):
             raise ValueError(f"planner.selection={self.selection!r}; accepted: utility, random")
         for key in ("exploration", "straggler_penalty"):

@@ -56,7 +56,9 @@ def build_planner(cfg: PlannerConfig, cuts: Sequence[CutCost], *, shared_trunk: 
     options: dict[str, dict[str, Any]] = {
         "greedy": {},
         "dynsl": {"every": cfg.every, "hysteresis": cfg.hysteresis},
-        "smartsplit": {"select_fraction": cfg.select_fraction, "exploration": cfg.exploration,
+        "smartsplit": {"select_fraction": cfg.select_fraction,
+                       "min_select_fraction": cfg.min_select_fraction,
+                       "exploration": cfg.exploration,
                        "straggler_penalty": cfg.straggler_penalty, "selection": cfg.selection,
                        "seed": seed},
         "oracle": {"allow_checkpoint": cfg.checkpointing},

@@ -321,6 +321,10 @@ def _move_seconds(client: ClientState, cuts: Sequence[CutCost], old: int, new: i
     return move_bytes(cuts, old, new) / link + client.rtt_s
 
 
+#: Selection sizes SmartSplit tries per round, at most (``min_select_fraction``).
+_SIZE_GRID = 8
+
+
 class SmartSplitPlanner(FlooredPlanner):
     """SmartSplit: memory-aware device selection, exact cuts with checkpointing.
 
@@ -344,10 +348,23 @@ class SmartSplitPlanner(FlooredPlanner):
     and, under label skew, the model would learn their labels only; without
     the penalty a straggler would set every round's length.
 
+    With ``min_select_fraction`` the number of devices is chosen each round
+    too: for ``m`` on an even grid from ``min_select_fraction x n`` to
+    ``select_fraction x n`` (at most 8 sizes), the top ``m`` are planned and
+    the size whose devices bring the most statistical utility per predicted
+    second of round (``sum utility / makespan``, the progress-per-time trade
+    Oort's utility and deadline stand for) trains. When slow devices are most
+    of the fleet, waiting for more of them costs more than their data brings;
+    when the fleet is fast, more devices take part.
+
     Parameters
     ----------
     select_fraction : float
-        Share of the given clients that train, in (0, 1].
+        Share of the given clients that train, in (0, 1] (the most, with
+        ``min_select_fraction``).
+    min_select_fraction : float | None
+        If given, in (0, select_fraction]: the fewest; the size in between is
+        chosen per round (above). None: always ``select_fraction``.
     exploration : float
         Weight of the staleness bonus, >= 0 (Oort's 0.1).
     straggler_penalty : float
@@ -371,6 +388,7 @@ class SmartSplitPlanner(FlooredPlanner):
         exploration: float = 0.1,
         straggler_penalty: float = 2.0,
         *,
+        min_select_fraction: float | None = None,
         selection: str = "utility",
         seed: int = 0,
         min_cut: int | None = None,
@@ -379,6 +397,10 @@ class SmartSplitPlanner(FlooredPlanner):
     ) -> None:
         if not 0 < select_fraction <= 1:
             raise ValueError(f"select_fraction must lie in (0, 1], got {select_fraction}")
+        if min_select_fraction is not None and not 0 < min_select_fraction <= select_fraction:
+            raise ValueError(f"min_select_fraction must lie in (0, select_fraction="
+                             f"{select_fraction}], got {min_select_fraction}")
+        self.min_select_fraction = min_select_fraction
         if exploration < 0:
             raise ValueError(f"exploration must be >= 0, got {exploration}")
         if straggler_penalty < 0:
@@ -398,6 +420,16 @@ class SmartSplitPlanner(FlooredPlanner):
         """``m``: how many of ``num_clients`` given clients train (at least one)."""
         return max(1, round(self.select_fraction * num_clients))
 
+    def selection_sizes(self, num_clients: int) -> list[int]:
+        """Return the sizes tried: ``selection_size``, or a grid down to the fewest."""
+        most = self.selection_size(num_clients)
+        if self.min_select_fraction is None:
+            return [most]
+        fewest = max(1, round(self.min_select_fraction * num_clients))
+        steps = min(_SIZE_GRID - 1, most - fewest)
+        return sorted({fewest + round(k * (most - fewest) / steps) for k in range(steps + 1)}
+                      if steps > 0 else {most})
+
     def plan(
         self,
         server_round: int,
@@ -410,21 +442,31 @@ class SmartSplitPlanner(FlooredPlanner):
         options, excluded = self.options(
             clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_checkpoint=True
         )
-        m = self.selection_size(len(clients))
         feasible = [i for i, opts in enumerate(options) if opts]
-        if self.selection == "random":
-            rng = random.Random(f"{self.seed}/{server_round}")
-            selected = set(rng.sample(feasible, min(m, len(feasible))))
-        else:
-            selected = set(self.ranked(server_round, clients, options, m)[:m])
+        best: tuple[float, set[int], list[Option | None]] | None = None
+        for m in self.selection_sizes(len(clients)):
+            selected = self._select(server_round, clients, options, feasible, m)
+            in_pool = [opts if i in selected else [] for i, opts in enumerate(options)]
+            chosen = choose_options(in_pool, select=None, shared_trunk=self.shared_trunk)
+            rate = _utility_rate(clients, chosen, shared_trunk=self.shared_trunk)
+            if best is None or rate > best[0]:
+                best = (rate, selected, chosen)
+        assert best is not None
+        _, selected, chosen = best
         for i in feasible:
             if i not in selected:
                 excluded[clients[i].client] = f"not selected ({self.selection} selection)"
-        in_pool = [opts if i in selected else [] for i, opts in enumerate(options)]
-        chosen = choose_options(in_pool, select=None, shared_trunk=self.shared_trunk)
         plan = plan_from_choices(clients, chosen, excluded, shared_trunk=self.shared_trunk)
         self.last_selected.update((a.client, server_round) for a in plan.assignments)
         return plan
+
+    def _select(self, server_round: int, clients: Sequence[ClientState],
+                options: Sequence[Sequence[Option]], feasible: Sequence[int], m: int) -> set[int]:
+        """Pick ``m`` devices: the best scored, or drawn at random among the feasible."""
+        if self.selection == "random":
+            rng = random.Random(f"{self.seed}/{server_round}")
+            return set(rng.sample(list(feasible), min(m, len(feasible))))
+        return set(self.ranked(server_round, clients, options, m)[:m])
 
     def ranked(
         self, server_round: int, clients: Sequence[ClientState],
@@ -447,6 +489,15 @@ class SmartSplitPlanner(FlooredPlanner):
             return (utility + self.exploration * stale) * slow**self.straggler_penalty
 
         return sorted(fastest, key=lambda i: (-score(i), fastest[i], i))
+
+
+def _utility_rate(clients: Sequence[ClientState], chosen: Sequence[Option | None], *,
+                  shared_trunk: bool) -> float:
+    """Statistical utility of the chosen devices per predicted second of their round."""
+    pairs = [(o.client_s, o.trunk_s) for o in chosen if o is not None]
+    utility = sum(c.utility for c, o in zip(clients, chosen, strict=True) if o is not None)
+    span = makespan(pairs, shared_trunk=shared_trunk)
+    return utility / span if span > 0 else utility
 
 
 class OraclePlanner(FlooredPlanner):

@@ -180,6 +180,8 @@ def test_planner_settings_are_typed_and_checked_at_composition():
         PlannerConfig(name="fastest")
     with pytest.raises(ValueError, match="planner.select_fraction"):
         PlannerConfig(name="smartsplit", select_fraction=0.0)
+    with pytest.raises(ValueError, match="planner.min_select_fraction"):
+        PlannerConfig(name="smartsplit", select_fraction=0.5, min_select_fraction=0.7)
     for key in ("exploration", "straggler_penalty"):
         with pytest.raises(ValueError, match=f"planner.{key} must be >= 0"):
             PlannerConfig(name="smartsplit", **{key: -0.5})

@@ -269,6 +269,34 @@ def test_smartsplit_brings_back_devices_left_out_longest() -> None:
     assert picks[3:6] == picks[0:3] and picks[6:9] == picks[0:3]
 
 
+def test_smartsplit_chooses_how_many_train_by_utility_per_second() -> None:
+    """Between the fewest and the most, the selection with the most utility per predicted
+    second of round trains: a slow half of the fleet is left out when waiting for it costs
+    more than its data brings; a fleet of alike devices all trains."""
+    cuts = [cut_cost(1, client_flops=1, server_flops=0)]
+    fast = [client_state(f"fast{i}", flops=1.0) for i in range(4)]  # 1 s each
+    slow = [client_state(f"slow{i}", flops=0.1) for i in range(4)]  # 10 s each
+
+    def trained(clients: list, **options: float) -> set[str]:
+        planner = SmartSplitPlanner(exploration=0.0, **options)
+        planner.last_selected = dict.fromkeys([c.client for c in clients], 1)  # all explored
+        return set(cuts_of(planner.plan(2, clients, cuts, trunk_flops_per_s=1.0)))
+
+    # 4 fast: utility 4 in 1 s; all 8: utility 8 in 10 s.
+    assert trained(fast + slow, select_fraction=1.0, min_select_fraction=0.25) == {
+        c.client for c in fast}
+    assert len(trained(fast + slow, select_fraction=1.0)) == 8  # the size is fixed without
+    alike = [client_state(f"c{i}") for i in range(8)]
+    assert len(trained(alike, select_fraction=1.0, min_select_fraction=0.25)) == 8
+    # A slow device rich enough in utility is worth waiting for.
+    rich = [*fast, client_state("slow-rich", flops=0.1, utility=100.0)]
+    assert "slow-rich" in trained(rich, select_fraction=1.0, min_select_fraction=0.2)
+    assert SmartSplitPlanner(select_fraction=0.8, min_select_fraction=0.2).selection_sizes(
+        100) == [20, 29, 37, 46, 54, 63, 71, 80]  # at most 8 sizes, evenly spread
+    with pytest.raises(ValueError, match="min_select_fraction"):
+        SmartSplitPlanner(select_fraction=0.5, min_select_fraction=0.6)
+
+
 def test_smartsplit_validates_its_options() -> None:
     with pytest.raises(ValueError, match="select_fraction"):
         SmartSplitPlanner(select_fraction=0)
