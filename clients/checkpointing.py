@@ -6,7 +6,7 @@ the stage's input, and the stage is run again during backward to rebuild what
 its backward needs. The last stage, whose output is the smashed data, is
 checkpointed too when the step lets go of that output once it is sent
 (``checkpoint_output``; the split steps do, see
-:func:`clients.steps.base.gradient_root`): then the device holds the
+:class:`clients.steps.split.SplitStep`): then the device holds the
 stage inputs and the output until the exchange, and afterwards the inputs plus
 one stage's saved tensors at a time. Otherwise the last stage runs plain: its
 backward comes first, while every boundary and the output are still held, so

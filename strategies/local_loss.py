@@ -41,6 +41,7 @@ from splitlearn.aux_head import (
     heads_by_cut,
     keyed_heads,
     split_client_state,
+    without_aux,
 )
 from splitlearn.config import StrategyConfig
 from splitlearn.wire import record_to_state, state_to_record
@@ -88,7 +89,7 @@ class LocalLossSplit(SplitFed):
     def client_arrays(self, node: int, arrays: ArrayRecord) -> ArrayRecord:
         """Return the stages ``node`` holds at its cut and its cut's head (under ``aux.``)."""
         prefix = cut_aux_prefix(self.assignment(node).cut)
-        stages = ArrayRecord({k: v for k, v in arrays.items() if not k.startswith("aux")})
+        stages = ArrayRecord(without_aux(arrays))
         head = {AUX_PREFIX + k[len(prefix):]: v for k, v in arrays.items()
                 if k.startswith(prefix)}
         return ArrayRecord({**super().client_arrays(node, stages), **head})

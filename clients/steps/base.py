@@ -23,7 +23,6 @@ from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from clients.checkpointing import run_stages
 from clients.memory import MemoryMeter
@@ -65,9 +64,10 @@ class ClientStep:
     #: Training batches per round whose memory is measured (the first ones): every
     #: batch holds as much, and the meter's hooks cost time on each batch it watches.
     measured_batches: ClassVar[int] = 3
-    #: Whether the step drops the output at the cut once it is sent, before the
-    #: backward (:func:`gradient_root`): with checkpointing, the last stage is then
-    #: checkpointed too, with a :class:`~splitlearn.models.lean.MaskReLU` at the cut.
+    #: Whether the step drops the output at the cut once it is sent, before the backward
+    #: (it keeps only the output's ``get_gradient_edge`` to start the backward from): with
+    #: checkpointing, the last stage is then checkpointed too, with a
+    #: :class:`~splitlearn.models.lean.MaskReLU` at the cut.
     frees_sent_output: ClassVar[bool] = False
 
     def __init__(
@@ -214,16 +214,6 @@ class _UnmeteredCalls:
                 return value(*args, **kwargs)
 
         return unmetered
-
-
-def gradient_root(activations: Tensor) -> GradientEdge:
-    """Where a backward from the cut starts, without holding ``activations`` themselves.
-
-    A step that drops its last reference to the sent activations after taking
-    this lets their memory go before the backward (unless autograd saved them),
-    then runs ``torch.autograd.backward(root, grad)``.
-    """
-    return get_gradient_edge(activations)
 
 
 def _as_is(activations: Tensor) -> Tensor:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 
-from clients.steps.base import ClientStep, gradient_root
+from clients.steps.base import ClientStep
 from splitlearn.dataplane import TrunkChannel
 
 
@@ -28,7 +29,7 @@ class SplitStep(ClientStep):
         activations = self.release(self.run_stages(self.bottom, inputs))
         grad, loss, correct = channel.forward(activations.detach(), labels)
         optimizer.zero_grad(set_to_none=True)
-        root = gradient_root(activations)
+        root = get_gradient_edge(activations)
         del activations  # sent: its memory goes now unless autograd saved it
         torch.autograd.backward(root, grad)
         optimizer.step()

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
-from clients.steps.base import ClientStep, gradient_root, hits
+from clients.steps.base import ClientStep, hits
 from splitlearn.calibration import client_train_memory_bytes, tail_train_memory_bytes
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import TrunkChannel
@@ -57,7 +58,7 @@ class UShapedStep(ClientStep):
         assert channel is not None
         activations = self.release(self.run_stages(self.head, inputs))
         features = channel.forward_features(activations.detach()).requires_grad_(True)
-        root = gradient_root(activations)
+        root = get_gradient_edge(activations)
         del activations  # sent: its memory goes now unless autograd saved it
         logits = self.tail(features)
         loss = nn.functional.cross_entropy(logits, labels)
