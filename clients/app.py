@@ -18,8 +18,9 @@ fail.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -63,11 +64,17 @@ ACCOUNTANT_STATE_KEY = "privacy-accountant"
 ChannelFactory = Callable[[str, str, RunSpec], TrunkChannel]
 
 
+#: Node-config key of the PEM file this node verifies the trunk by (it then requires TLS).
+TRUNK_ROOTS_KEY = "trunk-root-certificates"
+
+
 def grpc_channel(address: str, token: str, spec: RunSpec) -> TrunkChannel:
-    """Open a channel over a gRPC stream to the trunk service."""
+    """Open a channel over a gRPC stream to the trunk service (TLS when the spec says so)."""
+    roots = spec.trunk_root_certificates.encode() or None
     transport = GrpcTransport(
         address, token, max_frame_bytes=spec.max_frame_bytes,
         stream_timeout_s=spec.strategy.round_timeout_s,
+        tls=spec.trunk_tls, root_certificates=roots,
     )
     return TrunkChannel(
         transport, reply_timeout_s=spec.reply_timeout_s, max_frame_bytes=spec.max_frame_bytes
@@ -94,11 +101,11 @@ class ClientRound:
         protocol = PROTOCOLS[msg.metadata.message_type.partition(".")[2]]
         spec = decode_spec(str(msg.content["config"][SPEC_KEY]), strategy=protocol.options)
         data = msg.content[ROUND_KEY]
+        address = str(data.get("trunk_address", ""))
         return cls(
-            protocol, spec, int(data["server_round"]), int(data["cut"]),
-            bool(data.get("checkpoint", False)),
-            str(data.get("token", "")), str(data.get("trunk_address", "")),
-            **_partition(context),
+            protocol, trunk_trust(spec, context.node_config, address=address),
+            int(data["server_round"]), int(data["cut"]), bool(data.get("checkpoint", False)),
+            str(data.get("token", "")), address, **_partition(context),
         )
 
     def step(self, arrays: ArrayRecord) -> ClientStep:
@@ -123,6 +130,27 @@ class ClientRound:
             data, self.spec, server_round=self.server_round, partition_id=self.partition_id,
             generator=secret_generator() if secret else None,
         )
+
+
+def trunk_trust(spec: RunSpec, node_config: Mapping[str, object], *, address: str) -> RunSpec:
+    """Return ``spec`` with the roots this node verifies the trunk by.
+
+    A node with its own roots (node config ``trunk-root-certificates``) uses
+    only those, and refuses (TrunkRejected) a task whose trunk is not TLS: the
+    server cannot talk it into plaintext or into trusting another certificate.
+    Otherwise the task's roots apply (they came over the authenticated Flower link).
+    """
+    path = node_config.get(TRUNK_ROOTS_KEY)
+    if not path:
+        return spec
+    if address and not spec.trunk_tls:
+        raise TrunkRejected(f"the task's trunk at {address} does not serve TLS; this node "
+                            f"requires it ({TRUNK_ROOTS_KEY}={path})")
+    try:
+        roots = Path(str(path)).read_text()
+    except OSError as err:
+        raise TrunkRejected(f"{TRUNK_ROOTS_KEY}={path}: cannot read it ({err})") from err
+    return replace(spec, trunk_tls=True, trunk_root_certificates=roots)
 
 
 def _partition(context: Context) -> dict[str, int]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
@@ -105,6 +106,7 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
         service = TrunkService(
             endpoint, host=cfg.dataplane.host, port=cfg.dataplane.port,
             advertise_host=cfg.dataplane.advertise_host, max_streams=cfg.dataplane.max_streams,
+            server_credentials=trunk_credentials(cfg),
         )
         service.start()
     sinks = make_sinks(
@@ -128,6 +130,16 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
         cfg, protocol, spec, run_dir, trunk, handler, tokens, endpoint, service, sinks, fleet,
         planning,
     )
+
+
+def trunk_credentials(cfg: DictConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials of the trunk service from ``dataplane.ssl_*``, or None (plaintext)."""
+    dataplane = cfg.dataplane
+    if dataplane.ssl_certfile is None:
+        return None
+    key = Path(dataplane.ssl_keyfile).read_bytes()
+    chain = Path(dataplane.ssl_certfile).read_bytes()
+    return grpc.ssl_server_credentials([(key, chain)])
 
 
 def make_planning(cfg: DictConfig, trunk: Trunk, *, host_flops_per_s: float

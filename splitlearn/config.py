@@ -94,6 +94,30 @@ class DataPlaneConfig:
     reply_timeout_s: float = 600.0  # a client gives up on a reply after this long
     token_ttl_s: float = 3600.0  # a round's tokens also die when the round ends
     trunk_threads: int = 1  # intra-op threads of the trunk's process (see engine)
+    # TLS on the trunk service (PEM files; the same ones the SuperLink takes). Devices
+    # verify the trunk against ssl_ca_certfile, sent in the task over the Flower link,
+    # or against their own roots (node config trunk-root-certificates).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certfile: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("dataplane.ssl_certfile and dataplane.ssl_keyfile go together "
+                             f"(got {self.ssl_certfile!r} and {self.ssl_keyfile!r})")
+        if self.ssl_ca_certfile is not None and self.ssl_certfile is None:
+            raise ValueError("dataplane.ssl_ca_certfile needs dataplane.ssl_certfile and "
+                             "dataplane.ssl_keyfile: the trunk serves TLS only with its own "
+                             "certificate")
+        for key in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certfile"):
+            path = getattr(self, key)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"dataplane.{key}={path!r}: no such file")
+
+    @property
+    def tls(self) -> bool:
+        """Whether the trunk service serves TLS."""
+        return self.ssl_certfile is not None
 
 
 @dataclass
@@ -302,6 +326,8 @@ class RunSpec:
     torch_threads: int = 1
     max_frame_bytes: int = 64 * 1024 * 1024
     reply_timeout_s: float = 600.0
+    trunk_tls: bool = False  # the trunk service serves TLS
+    trunk_root_certificates: str = ""  # PEM to verify it by ("" with TLS: system roots)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     partitioner: PartitionerConfig = field(default_factory=PartitionerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -317,6 +343,9 @@ def run_spec(cfg: DictConfig, *, host_flops_per_s: float) -> RunSpec:
         seed=cfg.seed, torch_threads=cfg.engine.torch_threads,
         max_frame_bytes=cfg.dataplane.max_frame_bytes,
         reply_timeout_s=cfg.dataplane.reply_timeout_s,
+        trunk_tls=cfg.dataplane.ssl_certfile is not None,
+        trunk_root_certificates=(Path(cfg.dataplane.ssl_ca_certfile).read_text()
+                                 if cfg.dataplane.ssl_ca_certfile else ""),
         **{k: to_object(cfg[k]) for k in (
             "dataset", "partitioner", "model", "strategy", "privacy", "failures", "devices")},
     )

@@ -49,9 +49,11 @@ class TrunkServer:
         return self.tokens.issue(client=client, protocol=self.protocol, cut=cut,
                                  server_round=server_round, ttl_s=ttl_s)
 
-    def channel(self, token: str, **kwargs) -> TrunkChannel:
-        """A client channel over gRPC."""
-        transport = GrpcTransport(self.service.address, token, max_frame_bytes=1 << 22)
+    def channel(self, token: str, *, tls: bool = False, root_certificates: bytes | None = None,
+                **kwargs) -> TrunkChannel:
+        """A client channel over gRPC (TLS with ``tls`` or ``root_certificates``)."""
+        transport = GrpcTransport(self.service.address, token, max_frame_bytes=1 << 22,
+                                  tls=tls, root_certificates=root_certificates)
         return TrunkChannel(transport, max_frame_bytes=1 << 22, **kwargs)
 
     def local_channel(self, token: str, **kwargs) -> TrunkChannel:

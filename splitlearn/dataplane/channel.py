@@ -74,8 +74,10 @@ class GrpcTransport:
         Largest frame sent or received.
     stream_timeout_s : float
         Deadline of the whole stream (the session's lifetime).
+    tls : bool
+        Dial with TLS (also implied by ``root_certificates``).
     root_certificates : bytes, optional
-        PEM root certificates; when given the channel uses TLS.
+        PEM roots to verify the trunk's certificate by; the system's when None.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class GrpcTransport:
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         stream_timeout_s: float = 3600.0,
+        tls: bool = False,
         root_certificates: bytes | None = None,
     ) -> None:
         # Headroom above the frame limit: an oversized frame reaches the trunk's own
@@ -93,7 +96,7 @@ class GrpcTransport:
             ("grpc.max_send_message_length", 2 * max_frame_bytes),
             ("grpc.max_receive_message_length", 2 * max_frame_bytes),
         ]
-        if root_certificates is None:
+        if not tls and root_certificates is None:
             self._channel = grpc.insecure_channel(address, options=options)
         else:
             creds = grpc.ssl_channel_credentials(root_certificates)

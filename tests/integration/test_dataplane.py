@@ -228,3 +228,30 @@ def test_a_client_built_from_the_proto_alone_trains(trunk_server_factory, tmp_pa
     seq, kind, shape, loss = json.loads(done.stdout)
     assert (seq, kind, shape) == (1, "gradient", list(acts.shape))
     assert loss > 0 and server.trunk.steps == 1
+
+
+def test_tls_trunk_serves_only_clients_that_verify_it(trunk_server_factory, tmp_path):
+    import grpc
+
+    from tests.tls import make_certificates
+
+    files = make_certificates(tmp_path / "ours")
+    stranger = make_certificates(tmp_path / "stranger", name="stranger")
+    credentials = grpc.ssl_server_credentials(
+        [(files.key.read_bytes(), files.certificate.read_bytes())])
+    reference = digits_like_model("cnn")
+    server = trunk_server_factory(reference, lr=LR, server_credentials=credentials)
+    x, y = fixed_batches(1, batch=4)[0]
+    acts = split(copy.deepcopy(reference), 1)[0](x).detach()
+    # A plaintext client, and one that trusts another CA, get no session.
+    for kwargs in ({}, {"root_certificates": stranger.ca.read_bytes()}):
+        channel = server.channel(server.token(1), **kwargs)
+        with pytest.raises(TrunkRejected, match="UNAVAILABLE"):
+            channel.forward(acts, y)
+        channel.close()
+    assert server.trunk.steps == 0
+    # A client verifying the trunk by our CA trains as over plaintext.
+    channel = server.channel(server.token(1), root_certificates=files.ca.read_bytes())
+    report = train_split_client(copy.deepcopy(reference), 1, fixed_batches(3), channel, lr=LR)
+    channel.close()
+    assert report.steps == 3 and server.trunk.steps == 3

@@ -170,9 +170,15 @@ def test_queue_bytes_replaced_queue_batches():
          "privacy.noise_multiplier"),
         (["num_clients=3", "strategy.min_train_nodes=4"], "strategy.min_train_nodes=4"),
         (["devices=phones", "+devices.mix.toaster=0.5"], "devices.mix"),
+        (["dataplane.ssl_certfile=/nonexistent/server.pem"], "dataplane.ssl_keyfile"),
+        (["dataplane.ssl_ca_certfile=/nonexistent/ca.crt"], "dataplane.ssl_certfile"),
+        (["dataplane.ssl_certfile=/nonexistent/server.pem",
+          "dataplane.ssl_keyfile=/nonexistent/server.key"],
+         "dataplane.ssl_certfile='/nonexistent/server.pem'"),
     ],
     ids=["unknown-protocol", "cut-past-the-end", "cut-zero", "missing-dataset-folder",
-         "path-for-digits", "zero-noise", "too-few-clients", "undefined-profile"],
+         "path-for-digits", "zero-noise", "too-few-clients", "undefined-profile",
+         "tls-certificate-without-key", "tls-ca-without-certificate", "tls-missing-file"],
 )
 def test_preflight_refuses_naming_the_key(overrides, key):
     cfg = composed(*overrides)
@@ -268,3 +274,17 @@ def test_privacy_settings_are_checked_when_the_config_becomes_objects():
     with pytest.raises(ValueError, match="privacy.name"):
         PrivacyConfig(name="laplace")
     assert PrivacyConfig(name="none", noise_multiplier=0.0).accounted is False
+
+
+def test_trunk_tls_reaches_the_run_spec_with_its_ca(tmp_path):
+    from tests.tls import make_certificates
+
+    files = make_certificates(tmp_path)
+    cfg = composed(f"dataplane.ssl_certfile={files.certificate}",
+                   f"dataplane.ssl_keyfile={files.key}", f"dataplane.ssl_ca_certfile={files.ca}")
+    check_config(cfg)
+    spec = run_spec(cfg, host_flops_per_s=0.0)
+    assert spec.trunk_tls and spec.trunk_root_certificates == files.ca.read_text()
+    assert decode_spec(encode_spec(spec), strategy=SplitFedV2Options) == spec
+    plain = run_spec(composed(), host_flops_per_s=0.0)
+    assert not plain.trunk_tls and plain.trunk_root_certificates == ""
