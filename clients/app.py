@@ -29,12 +29,15 @@ from flwr.clientapp.typing import ClientAppCallable
 from torch.utils.data import DataLoader, TensorDataset
 
 from clients.device import (
+    PROFILE_KEY,
     ClientUnavailable,
     DeviceFailure,
     DevicePlan,
     InjectedDropout,
     MemoryBudgetExceeded,
     Pacer,
+    declared_profile,
+    measured_time,
     plan_round,
     virtual_time,
 )
@@ -42,9 +45,10 @@ from clients.loop import TrainReport, epoch_loader, evaluate_round, train_round
 from clients.steps.base import ClientStep
 from protocols import PROTOCOLS, Protocol
 from splitlearn.config import RunSpec, decode_spec
-from splitlearn.data import client_dataset
+from splitlearn.data import client_dataset, local_dataset
 from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
 from splitlearn.models.factory import build_model_from_config
+from splitlearn.planning.devices import DeviceProfile
 from splitlearn.privacy import (
     PRIVACY_OPTIONS,
     PrivacyAccountant,
@@ -64,6 +68,8 @@ ACCOUNTANT_STATE_KEY = "privacy-accountant"
 ChannelFactory = Callable[[str, str, RunSpec], TrunkChannel]
 
 
+#: Node-config key of a device's own training data (parquet; see splitlearn.data.local_dataset).
+DATA_KEY = "data-path"
 #: Node-config key of the PEM file this node verifies the trunk by (it then requires TLS).
 TRUNK_ROOTS_KEY = "trunk-root-certificates"
 
@@ -94,6 +100,8 @@ class ClientRound:
     trunk_address: str
     partition_id: int
     num_partitions: int
+    declared: DeviceProfile | None = None  # a real device's own profile (node config)
+    data_path: str | None = None  # a device's own data (node config data-path)
 
     @classmethod
     def read(cls, msg: Message, context: Context) -> ClientRound:
@@ -102,10 +110,16 @@ class ClientRound:
         spec = decode_spec(str(msg.content["config"][SPEC_KEY]), strategy=protocol.options)
         data = msg.content[ROUND_KEY]
         address = str(data.get("trunk_address", ""))
+        node = context.node_config
+        try:
+            declared = declared_profile(str(node.get(PROFILE_KEY, "")))
+        except ValueError as err:
+            raise DeviceFailure(str(err)) from err
         return cls(
-            protocol, trunk_trust(spec, context.node_config, address=address),
+            protocol, trunk_trust(spec, node, address=address),
             int(data["server_round"]), int(data["cut"]), bool(data.get("checkpoint", False)),
-            str(data.get("token", "")), address, **_partition(context),
+            str(data.get("token", "")), address, **_partition(context), declared=declared,
+            data_path=str(node[DATA_KEY]) if node.get(DATA_KEY) else None,
         )
 
     def step(self, arrays: ArrayRecord) -> ClientStep:
@@ -121,15 +135,25 @@ class ClientRound:
         Under activation noise the order is the node's secret (see
         :func:`~clients.loop.epoch_loader`); otherwise it is repeatable from the task.
         """
-        data = client_dataset(
-            self.spec.dataset, self.spec.partitioner, seed=self.spec.seed,
-            partition_id=self.partition_id, num_partitions=self.num_partitions,
-        )
+        data = self.dataset()
         secret = PRIVACY_OPTIONS[self.spec.privacy.name].protects_activations
         return epoch_loader(
             data, self.spec, server_round=self.server_round, partition_id=self.partition_id,
             generator=secret_generator() if secret else None,
         )
+
+
+    def dataset(self) -> TensorDataset:
+        """Return the node's own data (``data-path``), else its partition of the run's data."""
+        if self.data_path is None:
+            return client_dataset(
+                self.spec.dataset, self.spec.partitioner, seed=self.spec.seed,
+                partition_id=self.partition_id, num_partitions=self.num_partitions,
+            )
+        try:
+            return local_dataset(self.data_path, self.spec.dataset)
+        except (OSError, ValueError) as err:
+            raise DeviceFailure(f"{DATA_KEY}={self.data_path}: {err}") from err
 
 
 def trunk_trust(spec: RunSpec, node_config: Mapping[str, object], *, address: str) -> RunSpec:
@@ -208,7 +232,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     floor = _privacy_floor(context, spec)
     torch.set_num_threads(spec.torch_threads)
     plan = plan_round(spec, server_round=rnd.server_round, partition_id=rnd.partition_id,
-                      num_partitions=rnd.num_partitions)
+                      num_partitions=rnd.num_partitions, declared=rnd.declared)
     if not plan.available:
         raise ClientUnavailable(f"device not reachable in round {rnd.server_round}")
     step = rnd.step(msg.content["arrays"])
@@ -267,7 +291,7 @@ class Traffic:
 
 def _pacer(rnd: ClientRound, plan: DevicePlan) -> Pacer | None:
     """Return the pacer that makes this round take the device's time (``devices.emulate``)."""
-    if not rnd.spec.devices.emulate or plan.profile is None:
+    if not rnd.spec.devices.emulate or plan.profile is None or not plan.emulated:
         return None
     return Pacer(plan.profile, host_flops_per_s=rnd.spec.devices.host_flops_at(rnd.cut))
 
@@ -279,8 +303,9 @@ def _train_metrics(rnd: ClientRound, plan: DevicePlan, report: TrainReport, memo
     work = report.measurement
     work = replace(work, bytes_up=work.bytes_up + weights.up,
                    bytes_down=work.bytes_down + weights.down)
-    vtime = virtual_time(work, profile=plan.profile,
-                         host_flops_per_s=rnd.spec.devices.host_flops_at(rnd.cut))
+    vtime = (virtual_time(work, profile=plan.profile,
+                          host_flops_per_s=rnd.spec.devices.host_flops_at(rnd.cut))
+             if plan.emulated else measured_time(work, wall_s=report.wall_s))
     return MetricRecord({
         "partition-id": rnd.partition_id, "cut": rnd.cut, "checkpoint": int(rnd.checkpoint),
         "virtual-s": vtime.total_s, "virtual-compute-s": vtime.compute_s,

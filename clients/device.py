@@ -13,9 +13,17 @@ import random
 import time
 from dataclasses import dataclass
 
-from splitlearn.config import RunSpec
+from omegaconf import OmegaConf
+
+from splitlearn.config import CONF_DIR, RunSpec
 from splitlearn.planning.clock import ClientMeasurement, ClientTime, client_time
 from splitlearn.planning.devices import DeviceProfile, apply_traces, build_fleet
+
+#: Node-config key of the preset a real device declares itself as (``clients.connect
+#: --profile``): its memory budget holds, and its times are its own (nothing emulated).
+PROFILE_KEY = "device-profile"
+#: The shipped device presets (conf/devices/profiles/presets.yaml).
+PRESETS_FILE = CONF_DIR / "devices" / "profiles" / "presets.yaml"
 
 
 class DeviceFailure(RuntimeError):
@@ -54,16 +62,20 @@ class DevicePlan:
     Parameters
     ----------
     profile : DeviceProfile | None
-        The emulated device, or None without emulation.
+        The emulated (or declared) device, or None without emulation.
     available : bool
         Whether it is reachable at all.
     fail_after_steps : int
         Vanish after this many batches; -1 never.
+    emulated : bool
+        False for a real device that declared its profile: only its memory
+        budget applies; its availability, speed and links are its own.
     """
 
     profile: DeviceProfile | None
     available: bool
     fail_after_steps: int
+    emulated: bool = True
 
     def check_memory(self, needed_bytes: int, *, what: str) -> None:
         """Decline the round if ``needed_bytes`` exceed the device's memory."""
@@ -88,10 +100,39 @@ def device_profile(
     return profiles[partition_id] if profiles else None
 
 
+def preset_profiles() -> dict[str, dict]:
+    """Return the shipped device presets by name (plain mappings, as in the config)."""
+    return OmegaConf.to_container(OmegaConf.load(PRESETS_FILE))  # type: ignore[return-value]
+
+
+def declared_profile(name: str | None) -> DeviceProfile | None:
+    """Return the preset ``name`` a real device declares itself as (None: declares none).
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not a shipped preset; the message lists them.
+    """
+    if not name:
+        return None
+    presets = preset_profiles()
+    if name not in presets:
+        raise ValueError(f"{PROFILE_KEY}={name!r} is not a device preset; known: "
+                         f"{sorted(presets)}")
+    return DeviceProfile.from_mapping(name, presets[name])
+
+
 def plan_round(
-    spec: RunSpec, *, server_round: int, partition_id: int, num_partitions: int
+    spec: RunSpec, *, server_round: int, partition_id: int, num_partitions: int,
+    declared: DeviceProfile | None = None,
 ) -> DevicePlan:
-    """Draw this round's availability and dropout (seeded by seed, round, partition)."""
+    """Draw this round's availability and dropout (seeded by seed, round, partition).
+
+    A real device (``declared``) is planned as it is: always available (its own
+    absences are real), no injected dropout, its declared memory budget.
+    """
+    if declared is not None:
+        return DevicePlan(declared, available=True, fail_after_steps=-1, emulated=False)
     profile = device_profile(spec, partition_id=partition_id, num_partitions=num_partitions)
     if profile is not None:  # the device as it is this round (throttled, on another link, ...)
         profile = apply_traces(profile, spec.devices.traces, partition_id=partition_id,
@@ -102,6 +143,12 @@ def plan_round(
     available = rng.random() < availability
     drops = rng.random() < dropout
     return DevicePlan(profile, available, spec.failures.dropout_after_steps if drops else -1)
+
+
+def measured_time(work: ClientMeasurement, *, wall_s: float) -> ClientTime:
+    """Return a real device's own time: its compute, the rest of its round waiting on links."""
+    return ClientTime(compute_s=work.compute_s, upload_s=0.0, download_s=0.0,
+                      latency_s=max(wall_s - work.compute_s, 0.0))
 
 
 def virtual_time(

@@ -12,6 +12,7 @@ from splitlearn.data.loaders import (
     held_out_dataset,
     load_client_data,
     load_test_data,
+    local_dataset,
     to_tensor_dataset,
 )
 from splitlearn.data.partition import (
@@ -35,6 +36,7 @@ __all__ = [
     "load_client_data",
     "load_digits_splits",
     "load_test_data",
+    "local_dataset",
     "make_partitioner",
     "partition_dataset",
     "to_tensor_dataset",

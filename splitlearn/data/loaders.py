@@ -33,6 +33,8 @@ from types import MappingProxyType
 
 import datasets
 import numpy as np
+import pyarrow
+import pyarrow.parquet
 import torch
 from flwr_datasets import FederatedDataset
 from flwr_datasets.partitioner import Partitioner
@@ -384,6 +386,42 @@ def client_dataset(
         shards_per_partition=partitioner.shards_per_partition, path=dataset.path,
         test_fraction=dataset.test_fraction, image_size=dataset.image_size,
     )
+
+
+def local_dataset(path: str | Path, dataset: DatasetConfig) -> TensorDataset:
+    """Load a device's own training data: a parquet file, or a folder of them.
+
+    The rows hold the run's dataset columns (``image`` and ``label``; ``img``
+    and ``label`` for CIFAR-10) at the dataset's native size: images as a
+    ``datasets.Image()`` feature, nested lists or arrays (integer pixels 0..255,
+    or floats in [0, 1]), labels as integers below the number of classes.
+    ``Dataset.to_parquet`` writes such a file. The images are resized to
+    ``dataset.image_size`` as the run's own data is.
+
+    Raises
+    ------
+    ValueError
+        If there is no parquet file, a column is missing, or a label is out of range.
+    """
+    source = _dataset_source(dataset.name)
+    root = Path(path)
+    files = sorted(root.glob("*.parquet")) if root.is_dir() else [root]
+    if not files or not files[0].is_file():
+        raise ValueError(f"no parquet file at {root}")
+    # Read with pyarrow and wrap: nothing is written to a datasets cache on the device.
+    table = pyarrow.concat_tables([pyarrow.parquet.read_table(f) for f in files])
+    rows = datasets.Dataset(table)
+    missing = sorted({source.image_key, source.label_key} - set(rows.column_names))
+    if missing:
+        raise ValueError(f"{root} has columns {rows.column_names}; {dataset.name} needs "
+                         f"{missing} as well")
+    data = to_tensor_dataset(rows, image_key=source.image_key, label_key=source.label_key,
+                             spec=source.spec)
+    labels = data.tensors[1]
+    if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < source.spec.num_classes:
+        raise ValueError(f"labels in {root} span {int(labels.min())}..{int(labels.max())}; "
+                         f"{dataset.name} has classes 0..{source.spec.num_classes - 1}")
+    return resize_images(data, dataset.image_size)
 
 
 def held_out_dataset(dataset: DatasetConfig, *, seed: int) -> TensorDataset:

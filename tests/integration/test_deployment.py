@@ -72,6 +72,25 @@ def test_tls_trunk_trains_nodes_that_verify_it_and_refuses_the_rest(tmp_path):
     assert "does not serve TLS" in refused[0]["reason"]
 
 
+def test_node_config_declares_the_device_and_its_data_or_the_node_declines(tmp_path):
+    from clients.app import DATA_KEY
+    from clients.device import PROFILE_KEY, preset_profiles
+
+    (parquet, size), = device_data(tmp_path, halves=1)
+    cfg = small_config("strategy.num_rounds=1", run_dir=str(tmp_path / "run"))
+    rows = run_over_grpc(cfg, {1: {DATA_KEY: str(parquet), PROFILE_KEY: "wearable"},
+                               2: {DATA_KEY: str(tmp_path / "missing.parquet")},
+                               3: {PROFILE_KEY: "toaster"}})
+    by_partition = {int(r["partition_id"]): r for r in rows}
+    assert by_partition[0]["status"] == "ok"
+    assert int(by_partition[0]["num_examples"]) == size  # its own file, one local epoch
+    assert float(by_partition[0]["memory_budget"]) == preset_profiles()["wearable"]["memory_bytes"]
+    assert by_partition[1]["status"] == "failed"
+    assert "missing.parquet: no parquet file" in by_partition[1]["reason"]
+    assert by_partition[2]["status"] == "failed"
+    assert "'toaster' is not a device preset" in by_partition[2]["reason"]
+
+
 # --- the Deployment Engine ------------------------------------------------------------
 
 
@@ -209,3 +228,73 @@ def test_deployment_engine_with_tls_and_node_auth_trains_through_the_data_plane(
     assert all(int(r["bytes_down"]) > int(r["weights_bytes_down"]) for r in rows)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["dataplane"]["ssl_certfile"] == str(files.certificate)
+
+
+# --- a device joining with clients.connect --------------------------------------------
+
+#: What a device does not need: the test makes them impossible to import there.
+SERVER_ONLY = ("ray", "hydra", "wandb")
+
+
+def blocked_imports(folder: Path) -> Path:
+    """A folder of packages that refuse to import, to put first on a device's PYTHONPATH."""
+    for name in SERVER_ONLY:
+        (folder / name).mkdir(parents=True)
+        (folder / name / "__init__.py").write_text(
+            f"raise ImportError('{name} is not a client dependency')\n")
+    return folder
+
+
+def device_data(folder: Path, halves: int = 2) -> list[tuple[Path, int]]:
+    """Each device's own parquet file (a share of the digits training split) and its size."""
+    from splitlearn.data import load_digits_splits
+
+    train, _ = load_digits_splits()
+    files = []
+    for i in range(halves):
+        share = train.shard(num_shards=halves, index=i)
+        share.to_parquet(folder / f"device{i}.parquet")
+        files.append((folder / f"device{i}.parquet", share.num_rows))
+    return files
+
+
+@pytest.mark.slow
+def test_devices_join_with_clients_connect_and_train_on_their_own_data(tmp_path, deployment):
+    from clients.device import preset_profiles
+
+    files, env, port, processes = deployment
+    device_env = env | {"PYTHONPATH": os.pathsep.join(
+        [str(blocked_imports(tmp_path / "blocked")), str(ROOT)])}
+    probe = subprocess.run([sys.executable, "-c", "import ray"], env=device_env,
+                           capture_output=True, text=True)
+    assert "ray is not a client dependency" in probe.stderr  # the block works
+    data = device_data(tmp_path)
+    profiles = ["mid_range_phone", "raspberry_pi_4"]
+    for i, ((parquet, _), profile) in enumerate(zip(data, profiles, strict=True)):
+        private, public = make_node_key(tmp_path / "keys", f"device{i}")
+        assert flwr("supernode", "register", str(public), env=env).returncode == 0
+        processes.start(f"device-{i}", [
+            sys.executable, "-m", "clients.connect", "--superlink", f"127.0.0.1:{port}",
+            "--profile", profile, "--data", str(parquet), "--root-certificates", str(files.ca),
+            "--auth-key", str(private), "--partition-id", str(i), "--num-partitions", "2",
+            "--port", str(free_port()), "--max-wait-time", "60"], device_env)
+    wait_for(lambda: len(online_nodes(env)) == 2, "2 devices online")
+
+    run_dir = tmp_path / "run"
+    # Two devices leave the first round near chance (this CNN's plateau); three rounds do not.
+    overrides = " ".join(["strategy.num_rounds=3", "logger=none", "num_clients=2",
+                          *tls_overrides(files)])
+    proc = flwr("run", ".", "secure", "--stream", "--run-config",
+                f'overrides="{overrides}" run-dir="{run_dir}"', env=env, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert finished_runs(FLWR, env) == ["finished:completed"], processes.log("device-0")
+    rounds = json.loads((run_dir / "metrics.json").read_text())
+    assert rounds[3]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.3
+    rows = read_clients(run_dir)
+    assert len(rows) == 6 and all(r["status"] == "ok" for r in rows), processes.log("device-0")
+    presets = preset_profiles()
+    for row in rows:
+        i = int(row["partition_id"])
+        # Each trained its own file (2 local epochs) under its declared memory budget.
+        assert int(row["num_examples"]) == 2 * data[i][1]
+        assert float(row["memory_budget"]) == presets[profiles[i]]["memory_bytes"]

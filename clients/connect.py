@@ -1,0 +1,151 @@
+"""Join a federation from a device: ``python -m clients.connect --superlink H:P --profile NAME``.
+
+What a person runs on a phone-class device (an aarch64 Linux board, Android with a
+Python environment) to train with its own data. It checks what it is given, then
+becomes a Flower SuperNode (``flower-supernode``, same process id) whose node config
+carries what the ClientApp reads on this device:
+
+``device-profile``
+    The preset this device declares itself as (``conf/devices/profiles/presets.yaml``);
+    its memory budget holds, and its times are its own (nothing is emulated).
+``data-path``
+    Its own training data (``--data``: a parquet file or folder, see
+    :func:`splitlearn.data.local_dataset`); without it the device trains partition
+    ``--partition-id`` of ``--num-partitions`` of the run's dataset.
+``trunk-root-certificates``
+    With ``--root-certificates``: the same roots verify the SuperLink and the trunk
+    service, and a task whose trunk is plaintext is refused.
+``privacy-*``
+    Its privacy floor and ledger (:mod:`splitlearn.privacy.floor`,
+    :mod:`splitlearn.privacy.ledger`): the server cannot ask it for less.
+
+Only the client's dependencies are imported here and in the ClientApp (no Ray, Hydra
+or W&B). ``--dry-run`` prints the SuperNode command instead of running it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from clients.app import DATA_KEY, TRUNK_ROOTS_KEY
+from clients.device import PROFILE_KEY, preset_profiles
+from splitlearn.privacy.floor import FLOOR_KEYS, PrivacyFloor
+from splitlearn.privacy.ledger import LEDGER_KEY
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Read the command line (argparse exits with a message naming a bad flag)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m clients.connect", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--superlink", required=True, metavar="HOST:PORT",
+                        help="the SuperLink's Fleet API address")
+    parser.add_argument("--profile", required=True, choices=sorted(preset_profiles()),
+                        help="the device preset this device is (its memory budget holds)")
+    parser.add_argument("--data", type=Path, metavar="PATH",
+                        help="this device's own training data (parquet file or folder)")
+    security = parser.add_mutually_exclusive_group()
+    security.add_argument("--root-certificates", type=Path, metavar="FILE",
+                          help="PEM roots that verify the SuperLink and the trunk (TLS)")
+    security.add_argument("--insecure", action="store_true",
+                          help="no TLS to the SuperLink (testing only; the trunk follows the task)")
+    parser.add_argument("--auth-key", type=Path, metavar="FILE",
+                        help="this device's EC private key (OpenSSH format), if the SuperLink "
+                             "authenticates SuperNodes")
+    parser.add_argument("--partition-id", type=int, default=0,
+                        help="this device's index (its share of the run's data without --data)")
+    parser.add_argument("--num-partitions", type=int, default=1)
+    parser.add_argument("--port", type=int, default=None,
+                        help="port of the SuperNode's local runtime API (Flower's default: 9094)")
+    parser.add_argument("--max-wait-time", type=float, default=None,
+                        help="give up after this many seconds without the SuperLink")
+    floor = parser.add_argument_group("privacy floor (what this device accepts from the server)")
+    floor.add_argument("--privacy-option", choices=["activation_gaussian", "dpsgd_client"])
+    floor.add_argument("--min-noise-multiplier", type=float)
+    floor.add_argument("--max-delta", type=float)
+    floor.add_argument("--epsilon-max", type=float)
+    floor.add_argument("--privacy-ledger", type=Path, metavar="FILE",
+                       help="where this device keeps its privacy spend across restarts")
+    parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    return parser.parse_args(argv)
+
+
+def node_config(args: argparse.Namespace) -> dict[str, object]:
+    """Return the node config the ClientApp reads (ValueError naming a bad value)."""
+    if not 0 <= args.partition_id < args.num_partitions:
+        raise ValueError(f"--partition-id {args.partition_id} must be in "
+                         f"0..{args.num_partitions - 1} (--num-partitions {args.num_partitions})")
+    config: dict[str, object] = {"partition-id": args.partition_id,
+                                 "num-partitions": args.num_partitions,
+                                 PROFILE_KEY: args.profile}
+    paths = {DATA_KEY: args.data, TRUNK_ROOTS_KEY: args.root_certificates,
+             LEDGER_KEY: args.privacy_ledger}
+    for key, path in paths.items():
+        if path is not None:
+            config[key] = str(path.resolve())
+    for flag in ("data", "root_certificates", "auth_key"):
+        path = getattr(args, flag)
+        if path is not None and not path.exists():
+            raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file or folder")
+    floor = {field: getattr(args, field) for field in FLOOR_KEYS
+             if getattr(args, field, None) is not None}
+    floor |= {"option": args.privacy_option} if args.privacy_option else {}
+    PrivacyFloor(**floor)  # checks the values, naming the node-config key
+    config |= {FLOOR_KEYS[field]: value for field, value in floor.items()}
+    return config
+
+
+def format_node_config(config: dict[str, object]) -> str:
+    """Flower's ``--node-config`` text: space-separated ``key=value``, strings quoted."""
+    parts = []
+    for key, value in config.items():
+        if isinstance(value, str):
+            if '"' in value:
+                raise ValueError(f"{key}={value!r}: a value cannot contain a double quote")
+            value = json.dumps(value)  # a TOML basic string
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def supernode_command(args: argparse.Namespace) -> list[str]:
+    """Return the ``flower-supernode`` command line for ``args``."""
+    executable = Path(sys.executable).with_name("flower-supernode")
+    command = [str(executable) if executable.exists() else
+               shutil.which("flower-supernode") or "flower-supernode",
+               "--superlink", args.superlink,
+               "--node-config", format_node_config(node_config(args))]
+    if args.insecure:
+        command.append("--insecure")
+    elif args.root_certificates is not None:
+        command += ["--root-certificates", str(args.root_certificates.resolve())]
+    if args.auth_key is not None:
+        command += ["--auth-supernode-private-key", str(args.auth_key.resolve())]
+    if args.port is not None:
+        command += ["--port", str(args.port)]
+    if args.max_wait_time is not None:
+        command += ["--max-wait-time", str(args.max_wait_time)]
+    return command
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Check the arguments, then become the SuperNode (or print its command)."""
+    args = parse_args(argv)
+    try:
+        command = supernode_command(args)
+    except ValueError as err:
+        sys.exit(f"clients.connect: {err}")
+    if args.dry_run:
+        print(" ".join(command))
+        return
+    print(f"joining {args.superlink} as a {args.profile} (partition {args.partition_id} of "
+          f"{args.num_partitions}); Ctrl-C leaves", flush=True)
+    os.execvp(command[0], command)
+
+
+if __name__ == "__main__":
+    main()
