@@ -63,6 +63,8 @@ class PrivacyBudgetGuard(Strategy):
         """Configure as the wrapped strategy does, minus clients out of budget."""
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         kept = [m for m in messages if m.metadata.dst_node_id not in self.exhausted]
+        self.strategy.withdraw(m.metadata.dst_node_id for m in messages
+                               if m.metadata.dst_node_id in self.exhausted)
         if len(kept) < len(messages):
             log(INFO, "privacy: %d sampled client(s) are out of budget and skip round %d",
                 len(messages) - len(kept), server_round)

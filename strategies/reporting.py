@@ -42,7 +42,9 @@ ROUND_KEY = "round"
 SPEC_KEY = "run-spec"
 #: Statuses a reply can have, in report order.
 STATUSES = ("ok", "straggler", "unavailable", "dropout", "memory", "refused", "budget", "privacy",
-            "failed")
+            "failed", "lost")
+#: Why a client that was sent the round but never replied has status ``lost``.
+LOST_REASON = "no reply within strategy.round_timeout_s (the node vanished or stalled)"
 #: Metrics summed over clients (the rest are averaged, weighted by examples).
 SUMMED_METRICS = ("num-examples", "steps", "bytes-up", "bytes-down", "weights-bytes-up",
                   "weights-bytes-down", "compute-s")
@@ -208,6 +210,7 @@ class ReportingFedAvg(FedAvg):
         self._sent: dict[int, dict[str, tuple[tuple[int, ...], str]]] = {}  # node -> arrays
         #: The last training round's status of each node that replied.
         self.statuses: dict[int, str] = {}
+        self._asked: list[int] = []  # nodes sent this round's train message
 
     def summary(self) -> None:
         """Log FedAvg's settings plus the protocol's."""
@@ -247,8 +250,15 @@ class ReportingFedAvg(FedAvg):
         messages = list(super().configure_train(server_round, arrays, config, grid))
         kept = set(self.choose(server_round, [m.metadata.dst_node_id for m in messages]))
         self._round_started = time.perf_counter()
-        return [self._typed(m, server_round, "train") for m in messages
-                if m.metadata.dst_node_id in kept]
+        typed = [self._typed(m, server_round, "train") for m in messages
+                 if m.metadata.dst_node_id in kept]
+        self._asked = [m.metadata.dst_node_id for m in typed]
+        return typed
+
+    def withdraw(self, nodes: Iterable[int]) -> None:
+        """Forget that ``nodes`` were asked this round: a wrapper did not send their messages."""
+        dropped = set(nodes)
+        self._asked = [node for node in self._asked if node not in dropped]
 
     def choose(self, server_round: int, nodes: list[int]) -> list[int]:
         """Return which of the sampled nodes train this round (a hook: a planner selects)."""
@@ -306,14 +316,20 @@ class ReportingFedAvg(FedAvg):
         report = dict(metrics or {"num-examples": 0.0})
         for status in STATUSES[1:]:
             report[f"clients-{status}"] = statuses.count(status)
-        report["failed-clients"] = len(replies) - len(finished)
+        # Asked, but no reply came back (Flower's grid gives up at the round's timeout).
+        replied = {r.metadata.src_node_id for r in replies}
+        lost = [node for node in self._asked if node not in replied]
+        report["clients-lost"] = len(lost)
+        report["failed-clients"] = len(replies) + len(lost) - len(finished)
         # Server-side wall time from sending the round to having every reply.
         report["round-train-s"] = round_train_s
         if self.on_round is not None:
+            rows = [client_row(r, s) | problems.get(i, {})
+                    for i, (r, s) in enumerate(zip(replies, statuses, strict=True))]
+            rows += [{"client": node, "node_id": node, "status": "lost", "reason": LOST_REASON}
+                     for node in lost]
             self.on_round(RoundOutcome(
-                server_round, [client_row(r, s) | problems.get(i, {})
-                               for i, (r, s) in enumerate(zip(replies, statuses, strict=True))],
-                {k.replace("-", "_"): float(v) for k, v in report.items()},
+                server_round, rows, {k.replace("-", "_"): float(v) for k, v in report.items()},
                 self.clients_in_parallel,
             ))
         return arrays, (MetricRecord(report) if metrics is not None else None)

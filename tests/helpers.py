@@ -64,7 +64,7 @@ def send_raw(channel: TrunkChannel, data: bytes) -> pb.Reply:
 
 
 class ScriptedGrid(Grid):
-    """A grid whose nodes answer by a script (``answer(message) -> reply``).
+    """A grid whose nodes answer by a script (``answer(message) -> reply``; None: never).
 
     Records every ``send_and_receive`` call (the messages as sent). The rest of
     Flower's Grid interface is not needed by strategies and refuses to be used.
@@ -78,7 +78,7 @@ class ScriptedGrid(Grid):
     def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
         messages = list(messages)
         self.calls.append(messages)
-        return [self.answer(m) for m in messages]
+        return [r for r in map(self.answer, messages) if r is not None]
 
     def train_calls(self) -> list[list[Message]]:
         return [c for c in self.calls if c and c[0].metadata.message_type.startswith("train.")]

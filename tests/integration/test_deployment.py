@@ -203,31 +203,58 @@ def test_deployment_engine_with_tls_and_node_auth_trains_through_the_data_plane(
     rogue, _ = make_node_key(tmp_path / "keys", "rogue")
     intruder = start_supernode(processes, env, port=port, ca=files.ca, key=rogue, partition=9,
                                partitions=3)
-    for i, (private, _) in enumerate(keys):
-        start_supernode(processes, env, port=port, ca=files.ca, key=private, partition=i,
-                        partitions=3)
+    nodes = [start_supernode(processes, env, port=port, ca=files.ca, key=private, partition=i,
+                             partitions=3) for i, (private, _) in enumerate(keys)]
     wait_for(lambda: len(online_nodes(env)) == 3, "3 SuperNodes online")
     assert intruder.wait(timeout=90) != 0
     assert "Failed to activate SuperNode" in processes.log("supernode-9")
 
     run_dir = tmp_path / "run"
-    overrides = " ".join(["strategy.num_rounds=2", "logger=none", "num_clients=3",
-                          *tls_overrides(files)])
-    proc = flwr("run", ".", "secure", "--stream", "--run-config",
-                f'overrides="{overrides}" run-dir="{run_dir}"', env=env, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # A vanished node is waited for until the round's timeout, then counted lost.
+    overrides = " ".join(["strategy.num_rounds=2", "strategy.round_timeout_s=30",
+                          "logger=none", "num_clients=3", *tls_overrides(files)])
+    run = subprocess.Popen(
+        [str(FLWR), "run", ".", "secure", "--stream", "--run-config",
+         f'overrides="{overrides}" run-dir="{run_dir}"'], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # As soon as round 1 is recorded, round 2 is sent: its third node dies before replying.
+    wait_for(lambda: len(recorded_rounds(run_dir)) >= 2, "round 1 recorded", timeout_s=300)
+    os.killpg(nodes[2].pid, signal.SIGKILL)
+    output, _ = run.communicate(timeout=400)
+    assert run.returncode == 0, output[-3000:]
     assert finished_runs(FLWR, env) == ["finished:completed"], processes.log("superlink")
-    rounds = json.loads((run_dir / "metrics.json").read_text())
+    rounds = recorded_rounds(run_dir)
     assert [r["round"] for r in rounds] == [0, 1, 2]
-    assert all(r["clients"] == 3 and r["failed_clients"] == 0 for r in rounds[1:])
+    assert rounds[1]["clients"] == 3 and rounds[1]["failed_clients"] == 0
     assert rounds[2]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.2
     rows = read_clients(run_dir)
-    assert len(rows) == 6 and all(r["status"] == "ok" for r in rows)
+    first = [r for r in rows if r["round"] == "1"]
+    assert len(first) == 3 and all(r["status"] == "ok" for r in first)
     # Smashed data went up and gradients came down over the (TLS) data plane.
-    assert all(int(r["bytes_up"]) > int(r["weights_bytes_up"]) for r in rows)
-    assert all(int(r["bytes_down"]) > int(r["weights_bytes_down"]) for r in rows)
+    assert all(int(r["bytes_up"]) > int(r["weights_bytes_up"]) for r in first)
+    assert all(int(r["bytes_down"]) > int(r["weights_bytes_down"]) for r in first)
+    # Round 2 completed with the two others; the dead node is lost and not aggregated.
+    dead = node_id_in_log(processes.log("supernode-2"))
+    second = {r["node_id"]: r for r in rows if r["round"] == "2"}
+    assert second.pop(dead)["status"] == "lost"
+    assert [r["status"] for r in second.values()] == ["ok", "ok"]
+    assert rounds[2]["clients_lost"] == 1
+    assert rounds[2]["examples"] == sum(int(r["num_examples"]) for r in second.values())
     config = json.loads((run_dir / "config.json").read_text())
     assert config["dataplane"]["ssl_certfile"] == str(files.certificate)
+
+
+def recorded_rounds(run_dir: Path) -> list[dict]:
+    """The run's rounds so far (metrics.json is rewritten whole after every round)."""
+    try:
+        return json.loads((run_dir / "metrics.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def node_id_in_log(log: str) -> str:
+    """The node id a SuperNode logged when it joined."""
+    return log.split("SuperNode ID: ")[1].split()[0]
 
 
 # --- a device joining with clients.connect --------------------------------------------

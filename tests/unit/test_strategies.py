@@ -278,8 +278,34 @@ def test_every_status_is_counted_and_reported():
                failed(9, "[budget] [memory] [dropout]")]
     _, metrics = strategy.aggregate_train(1, replies)
     for status in STATUSES[1:]:
-        assert metrics[f"clients-{status}"] == 1, status
+        # A lost client is one asked that never replied (none was asked here).
+        assert metrics[f"clients-{status}"] == (status != "lost"), status
     assert metrics["failed-clients"] == len(replies) - 1
+
+
+@pytest.mark.parametrize("name", sorted(PROTOCOLS))
+def test_a_client_that_never_replies_is_lost_and_nothing_of_it_is_aggregated(name):
+    def answer(message: Message) -> Message | None:
+        node = message.metadata.dst_node_id
+        if node == 2 and message.metadata.message_type.startswith("train."):
+            return None  # vanished: Flower's grid returns without its reply
+        return trained(node, weights(float(node)), 10 * node, to=message)
+
+    outcomes: list[RoundOutcome] = []
+    strategy = protocol_strategy(name, outcomes, fraction_evaluate=0.0)
+    result = strategy.start(grid=ScriptedGrid([1, 2, 3], answer),
+                            initial_arrays=start_arrays(), num_rounds=1)
+    [outcome] = outcomes
+    rows = {int(r["node_id"]): r for r in outcome.rows}
+    assert rows[2]["status"] == "lost" and "round_timeout_s" in rows[2]["reason"]
+    assert rows[1]["status"] == rows[3]["status"] == "ok"
+    assert outcome.metrics["clients_lost"] == 1 and outcome.metrics["failed_clients"] == 1
+    assert outcome.metrics["num_examples"] == 40
+    if name == "sequential":  # the last finished turn (turns go in Flower's sampling order)
+        last = [int(r["node_id"]) for r in outcome.rows if r["status"] == "ok"][-1]
+        assert_arrays(result.arrays, weights(float(last)))
+    else:
+        assert_arrays(result.arrays, fedavg((weights(1.0), 10), (weights(3.0), 30)))
 
 
 def test_stragglers_past_the_round_deadline_are_left_out():
