@@ -16,7 +16,7 @@ import logging
 import shlex
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.app import Array, ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 from omegaconf import DictConfig
@@ -32,6 +32,13 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from protocols import Protocol, check_config, compose_config, protocol_named, tail_cut_of
+from server.checkpoint import (
+    RunCheckpoint,
+    load_checkpoint,
+    random_states,
+    restore_random_states,
+    save_checkpoint,
+)
 from server.trunk import Trunk
 from splitlearn.aux_head import without_aux
 from splitlearn.calibration import cut_costs, measure_host_flops_per_s
@@ -57,6 +64,7 @@ from splitlearn.wire import record_to_state, state_to_record
 from strategies.adaptive import CutPlanning, build_planner, prior_state
 from strategies.privacy import PrivacyBudgetGuard
 from strategies.reporting import RoundOutcome
+from strategies.resume import ResumedRounds
 from strategies.splitfed import DataPlaneAccess
 
 log = logging.getLogger(__name__)
@@ -78,6 +86,7 @@ class SplitRuntime:
     sinks: CompositeSink
     fleet: list[DeviceProfile] | None  # profile per partition id; None: no emulation
     planning: CutPlanning | None  # per-client cuts; None: every client at model.cut
+    resumed: RunCheckpoint | None = None  # resume=true: the run's last checkpoint
 
 
 def build_trunk(cfg: DictConfig) -> tuple[Trunk, Any, TokenRegistry, TrunkEndpoint]:
@@ -98,6 +107,7 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
     check_config(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    resumed = load_checkpoint(run_dir, config=to_container(cfg)) if cfg.resume else None
     torch.set_num_threads(cfg.dataplane.trunk_threads)
     protocol = protocol_named(cfg.strategy.name)
     trunk, handler, tokens, endpoint = build_trunk(cfg)
@@ -112,15 +122,20 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
     sinks = make_sinks(
         run_dir=run_dir, logger=cfg.logger.name, project=cfg.logger.project,
         group=cfg.logger.group, tags=list(cfg.logger.tags), wandb_mode=cfg.logger.mode,
+        wandb_resume_id=resumed.sinks.get("wandb_id") if resumed else None,
     )
     devices = to_object(cfg.devices)
     fleet = build_fleet(
         num_clients=cfg.num_clients, mix=devices.mix, seed=cfg.seed,
         profiles={k: vars(v) for k, v in devices.profiles.items()},
     )
-    spec = run_spec(cfg, host_flops_per_s=host_flops_for(cfg, trunk.model) if fleet else 0.0)
-    if fleet and cfg.planner.name != "uniform":
-        spec.devices.host_flops_by_cut = host_flops_by_cut(cfg, trunk.model)
+    if resumed is not None:  # the clock keeps converting compute as it did before the crash
+        spec = run_spec(cfg, host_flops_per_s=resumed.measured["host_flops_per_s"])
+        spec.devices.host_flops_by_cut = dict(resumed.measured["host_flops_by_cut"])
+    else:
+        spec = run_spec(cfg, host_flops_per_s=host_flops_for(cfg, trunk.model) if fleet else 0.0)
+        if fleet and cfg.planner.name != "uniform":
+            spec.devices.host_flops_by_cut = host_flops_by_cut(cfg, trunk.model)
     config = to_container(cfg)
     config["devices"]["host_flops_per_s"] = spec.devices.host_flops_per_s  # as measured
     config["devices"]["host_flops_by_cut"] = dict(spec.devices.host_flops_by_cut)
@@ -128,7 +143,7 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
     planning = make_planning(cfg, trunk, host_flops_per_s=spec.devices.host_flops_per_s or 0.0)
     return SplitRuntime(
         cfg, protocol, spec, run_dir, trunk, handler, tokens, endpoint, service, sinks, fleet,
-        planning,
+        planning, resumed,
     )
 
 
@@ -281,8 +296,27 @@ class RoundReporter:
         self._outcomes: dict[int, RoundOutcome] = {}
         self._round_ends: list[float] = []
         self._trunk_busy_seen = 0.0
+        #: Called with (round, arrays) once a round is recorded (the run's checkpoint).
+        self.after_round: Callable[[int, ArrayRecord], None] | None = None
         self.progress = tqdm(total=cfg.strategy.num_rounds, unit="round", desc="training",
                              dynamic_ncols=True, file=sys.stderr)
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Return the clock, the history and the elapsed time (a resumed run continues them)."""
+        return {"clock_s": self.clock.now_s, "history": [dict(r) for r in self.history],
+                "epsilon": self.epsilon, "trunk_busy_seen": self._trunk_busy_seen,
+                "wall_s": time.perf_counter() - self.started,
+                "round_ends": list(self._round_ends)}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Continue from :meth:`checkpoint`'s state."""
+        self.clock.now_s = saved["clock_s"]
+        self.history = [dict(r) for r in saved["history"]]
+        self.epsilon = saved["epsilon"]
+        self._trunk_busy_seen = saved["trunk_busy_seen"]
+        self.started = time.perf_counter() - saved["wall_s"]
+        self._round_ends = list(saved["round_ends"])
+        self.progress.update(len(self.history) - 1)  # rounds done (the history has round 0)
 
     def record_round(self, outcome: RoundOutcome) -> None:
         """Keep a round's outcome (the strategy's ``on_round`` hook) until its evaluation."""
@@ -319,6 +353,8 @@ class RoundReporter:
         if rows:
             self.runtime.sinks.log_clients(server_round, rows)
         self._print_progress(server_round, metrics)
+        if server_round and self.after_round is not None:
+            self.after_round(server_round, arrays)
         return MetricRecord({"test-accuracy": accuracy, "test-loss": loss})
 
     def _with_profile(self, row: dict[str, Any]) -> dict[str, Any]:
@@ -376,6 +412,12 @@ def run_training(grid: Grid, runtime: SplitRuntime) -> TrainingResult:
     reporter = RoundReporter(runtime)
     strategy = make_strategy(runtime, reporter)
     initial = initial_arrays(runtime)
+    if (resumed := runtime.resumed) is not None:
+        initial = restore_run(runtime, resumed, reporter, strategy)
+        strategy = ResumedRounds(strategy, done=resumed.server_round)
+    if cfg.checkpoint:
+        reporter.after_round = lambda server_round, arrays: save_checkpoint(
+            runtime.run_dir, run_checkpoint(runtime, server_round, arrays, reporter, strategy))
     try:
         result = strategy.start(
             grid=grid, initial_arrays=initial, num_rounds=cfg.strategy.num_rounds,
@@ -389,6 +431,34 @@ def run_training(grid: Grid, runtime: SplitRuntime) -> TrainingResult:
     if runtime.endpoint.refusals:
         log.warning("data plane refused frames: %s", dict(runtime.endpoint.refusals))
     return TrainingResult(reporter.history, final)
+
+
+def run_checkpoint(runtime: SplitRuntime, server_round: int, arrays: ArrayRecord,
+                   reporter: RoundReporter, strategy: Strategy) -> RunCheckpoint:
+    """Everything round ``server_round + 1`` starts from (see :mod:`server.checkpoint`)."""
+    devices = runtime.spec.devices
+    return RunCheckpoint(
+        server_round=server_round, arrays={k: v.numpy() for k, v in arrays.items()},
+        trunk=runtime.trunk.state_dict(), strategy=strategy.checkpoint(),  # type: ignore[attr-defined]
+        reporter=reporter.checkpoint(), sinks=runtime.sinks.checkpoint(),
+        config=to_container(runtime.cfg),
+        measured={"host_flops_per_s": devices.host_flops_per_s,
+                  "host_flops_by_cut": dict(devices.host_flops_by_cut)},
+        rng=random_states(),
+    )
+
+
+def restore_run(runtime: SplitRuntime, resumed: RunCheckpoint, reporter: RoundReporter,
+                strategy: Strategy) -> ArrayRecord:
+    """Bring the trunk, strategy, reporter and sinks back to ``resumed``; return its arrays."""
+    runtime.trunk.load_state_dict(resumed.trunk)
+    strategy.restore(resumed.strategy)  # type: ignore[attr-defined]
+    reporter.restore(resumed.reporter)
+    runtime.sinks.restore(resumed.sinks)
+    restore_random_states(resumed.rng)
+    log.info("resuming %s after round %d of %d", runtime.run_dir, resumed.server_round,
+             runtime.cfg.strategy.num_rounds)
+    return ArrayRecord({k: Array(v) for k, v in resumed.arrays.items()})
 
 
 def config_from_run_config(run_config: dict[str, Any]) -> DictConfig:

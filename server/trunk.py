@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -183,6 +184,23 @@ class Trunk:
         """Return an independent copy of the whole server model."""
         with self._lock:
             return copy.deepcopy(self.model)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return everything that carries over between rounds: weights, momentum, books."""
+        with self._lock:
+            return {"model": copy.deepcopy(self.model.state_dict()),
+                    "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                    "books": {"steps": self.steps, "samples": self.samples,
+                              "busy_s": self.busy_s, "stage_samples": list(self.stage_samples)}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (a resumed run continues from it)."""
+        with self._lock:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            books = state["books"]
+            self.steps, self.samples = books["steps"], books["samples"]
+            self.busy_s, self.stage_samples = books["busy_s"], list(books["stage_samples"])
 
     def add_books(self, *, steps: int, samples: int, busy_s: float) -> None:
         """Add the books of trunk copies merged into this one (SplitFed v1)."""

@@ -300,6 +300,8 @@ class Config:
     num_clients: int = 10
     scenario: str = "default"
     run_dir: str = MISSING  # set by Hydra to its output dir
+    checkpoint: bool = True  # write run_dir/checkpoint.pt after every round
+    resume: bool = False  # continue the run in run_dir from its checkpoint
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     partitioner: PartitionerConfig = field(default_factory=PartitionerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -103,6 +103,20 @@ class CutPlanning:
         self._busy_seen = trunk_busy_s()
         self._given: dict[str, int] = {}  # the cut the planner last gave each client
 
+    def checkpoint(self) -> dict[str, Any]:
+        """Return the planner and what it has learnt (plain Python objects: picklable)."""
+        return {"planner": self.planner, "monitor": self.monitor, "plans": dict(self.plans),
+                "planned_rounds": self._planned_rounds, "given": dict(self._given),
+                "trunk_flops_per_s": self.trunk_flops_per_s}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Continue from :meth:`checkpoint`'s state; the trunk's books are restored already."""
+        self.planner, self.monitor = saved["planner"], saved["monitor"]
+        self.plans, self._given = dict(saved["plans"]), dict(saved["given"])
+        self._planned_rounds = saved["planned_rounds"]
+        self.trunk_flops_per_s = saved["trunk_flops_per_s"]
+        self._busy_seen = self.trunk_busy_s()
+
     @property
     def max_cut(self) -> int:
         """The deepest cut a client may get (the global arrays hold the stages below it)."""

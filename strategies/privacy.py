@@ -55,7 +55,24 @@ class PrivacyBudgetGuard(Strategy):
 
     def start(self, *, grid: Grid, **kwargs: Any) -> Any:
         """Flower's loop over the guard's hooks, on the wrapped strategy's grid."""
-        return super().start(grid=self.strategy.wrap_grid(grid), **kwargs)
+        return super().start(grid=self.wrap_grid(grid), **kwargs)
+
+    def wrap_grid(self, grid: Grid) -> Grid:
+        """Return the wrapped strategy's grid (sequential SL takes turns)."""
+        return self.strategy.wrap_grid(grid)
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Add the clients out of budget to the wrapped strategy's state."""
+        return self.strategy.checkpoint() | {"exhausted": sorted(self.exhausted)}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Continue from :meth:`checkpoint`'s state: exhausted clients stay out."""
+        self.strategy.restore(saved)
+        self.exhausted = set(saved["exhausted"])
+
+    def withdraw(self, nodes: Iterable[int]) -> None:
+        """Forget, as the wrapped strategy does, that ``nodes`` were asked this round."""
+        self.strategy.withdraw(nodes)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -222,6 +222,14 @@ class ReportingFedAvg(FedAvg):
         """Return the grid this protocol sends through (a hook: sequential SL takes turns)."""
         return grid
 
+    def checkpoint(self) -> dict[str, Any]:
+        """Return what carries over to the next round (a resumed run restores it)."""
+        return {"statuses": dict(self.statuses)}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Continue from :meth:`checkpoint`'s state."""
+        self.statuses = dict(saved["statuses"])
+
     def start(self, *, grid: Grid, **kwargs: Any) -> Any:
         """Flower's loop, over :meth:`wrap_grid`'s grid."""
         return super().start(grid=self.wrap_grid(grid), **kwargs)

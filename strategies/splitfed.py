@@ -145,6 +145,17 @@ class SplitFed(ReportingFedAvg):
             ])
         return result
 
+    def checkpoint(self) -> dict[str, Any]:
+        """Add the planner's state (its estimates, its last plans) to FedAvg's."""
+        state = super().checkpoint()
+        return state | {"planning": self.planning.checkpoint() if self.planning else None}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Continue from :meth:`checkpoint`'s state (the trunk is restored first)."""
+        super().restore(saved)
+        if self.planning is not None:
+            self.planning.restore(saved["planning"])
+
     def round_record(self, node: int, server_round: int) -> dict[str, Any]:
         """Return the round's data plus a session: the trunk's address and a fresh token."""
         assigned = self.assignment(node)

@@ -15,10 +15,9 @@ intact. A ledger that exists but cannot be read is an error, never a reset.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
+from splitlearn.atomic import write_atomic
 from splitlearn.privacy.accounting import PrivacyAccountant
 
 #: Node-config key of the ledger file.
@@ -53,16 +52,4 @@ def load_ledger(path: str | Path) -> PrivacyAccountant:
 
 def save_ledger(path: str | Path, accountant: PrivacyAccountant) -> None:
     """Write ``accountant`` to ``path`` atomically (the old ledger stays if this fails)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"version": LEDGER_VERSION, "history": accountant.to_lists()})
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps({"version": LEDGER_VERSION, "history": accountant.to_lists()}))

@@ -20,11 +20,11 @@ import csv
 import io
 import json
 import logging
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from splitlearn.atomic import write_atomic
 from splitlearn.tracking.plots import (
     plot_accuracy_vs_time,
     plot_client_metrics,
@@ -78,15 +78,18 @@ class FileSink:
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Write ``config.json``."""
-        _write_atomic(self.run_dir / CONFIG_FILE, _to_json(config))
+        write_atomic(self.run_dir / CONFIG_FILE, _to_json(config))
 
     def log_round(self, server_round: int, metrics: Mapping[str, float | int]) -> None:
         """Record one round and rewrite ``metrics.json`` and ``metrics.csv``."""
         row = self._rounds.setdefault(int(server_round), {"round": int(server_round)})
         row.update((k, v) for k, v in metrics.items() if k != "round")
+        self._write_rounds()
+
+    def _write_rounds(self) -> None:
         rows = self.rounds
-        _write_atomic(self.run_dir / METRICS_JSON, _to_json(rows))
-        _write_atomic(self.run_dir / METRICS_CSV, _to_csv(rows, _union_keys(rows)))
+        write_atomic(self.run_dir / METRICS_JSON, _to_json(rows))
+        write_atomic(self.run_dir / METRICS_CSV, _to_csv(rows, _union_keys(rows)))
 
     def log_clients(self, server_round: int, rows: Sequence[Mapping[str, Any]]) -> None:
         """Record per-client rows of one round in ``clients.csv``."""
@@ -102,8 +105,25 @@ class FileSink:
         else:
             # A CSV header cannot grow in place: rewrite everything. This is
             # also the path of the first call, which replaces any stale file.
-            _write_atomic(path, _to_csv(self._client_rows, columns))
+            write_atomic(path, _to_csv(self._client_rows, columns))
             self._client_columns = columns
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Return the rows written so far (a resumed run starts from exactly these)."""
+        return {"rounds": self.rounds, "client_rows": self.client_rows}
+
+    def restore(self, saved: Mapping[str, Any]) -> None:
+        """Continue from :meth:`checkpoint`'s rows, rewriting the files from them.
+
+        Rows a crashed run wrote after its last checkpoint are dropped: that
+        round runs again, and would otherwise appear twice.
+        """
+        self._rounds = {int(r["round"]): dict(r) for r in saved["rounds"]}
+        self._client_rows = [dict(r) for r in saved["client_rows"]]
+        self._client_columns = _union_keys(self._client_rows)
+        self._write_rounds()
+        write_atomic(self.run_dir / CLIENTS_CSV,
+                      _to_csv(self._client_rows, self._client_columns))
 
     def close(self) -> None:
         """Write ``metrics.png`` and ``clients.png`` if there is data.
@@ -168,8 +188,3 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` so that readers never see a half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

@@ -78,6 +78,20 @@ class CompositeSink:
         """Forward :meth:`MetricsSink.log_clients` to every sink."""
         self._fan_out(lambda sink: sink.log_clients(server_round, rows))
 
+    def checkpoint(self) -> dict[str, Any]:
+        """Return every sink's state (the files' rows, the W&B run's id)."""
+        state: dict[str, Any] = {}
+        for sink in self._sinks:
+            if hasattr(sink, "checkpoint"):
+                state |= sink.checkpoint()
+        return state
+
+    def restore(self, saved: Mapping[str, Any]) -> None:
+        """Continue every sink that can from :meth:`checkpoint`'s state."""
+        for sink in self._sinks:
+            if hasattr(sink, "restore"):
+                sink.restore(saved)
+
     def close(self) -> None:
         """Close every sink, even if some raise; re-raise the first error.
 
@@ -122,6 +136,7 @@ def make_sinks(
     tags: Sequence[str] = (),
     run_name: str | None = None,
     wandb_mode: str = "auto",
+    wandb_resume_id: str | None = None,
 ) -> CompositeSink:
     """Build the sinks of one run.
 
@@ -137,6 +152,8 @@ def make_sinks(
     wandb_mode : str
         ``"auto"``, ``"online"``, ``"offline"`` or ``"disabled"``; see
         :func:`~splitlearn.tracking.wandb_sink.resolve_mode`.
+    wandb_resume_id : str | None
+        Continue this W&B run (a resumed run) instead of starting a new one.
 
     Returns
     -------
@@ -163,6 +180,7 @@ def make_sinks(
                 tags=tags,
                 run_name=run_name,
                 mode=wandb_mode,
+                resume_id=wandb_resume_id,
             )
         )
     return CompositeSink(sinks)

@@ -130,6 +130,7 @@ class WandbSink:
         tags: Sequence[str],
         run_name: str | None,
         mode: str = "auto",
+        resume_id: str | None = None,
     ) -> None:
         self.mode = resolve_mode(mode)
         try:
@@ -150,6 +151,9 @@ class WandbSink:
             name=run_name,
             dir=str(self.run_dir),
             mode=self.mode,
+            # A resumed run (the ServerApp restarted) continues the same W&B run.
+            id=resume_id,
+            resume="allow" if resume_id else None,
             # One sink, one run: never hand back (and later finish) a run
             # that another sink in this process still uses.
             reinit="create_new",
@@ -159,6 +163,10 @@ class WandbSink:
                 x_disable_stats=True,  # no system-metrics sampler
             ),
         )
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Return what a resumed run needs to continue this W&B run: its id."""
+        return {"wandb_id": self._run.id}
 
     @property
     def run(self) -> Any:
