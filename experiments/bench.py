@@ -30,6 +30,10 @@
     ``--methods``); see
     :mod:`experiments.planner_bench`. The last line is JSON with the reductions.
 
+``tls``
+    Per-batch round trip over the data plane on loopback, plaintext vs TLS, for
+    three payload sizes (the trunk's step included). The last line is the worst ratio.
+
 Extra arguments are Hydra overrides, e.g. ``strategy.num_rounds=5``.
 """
 
@@ -265,6 +269,77 @@ def bench_memory(overrides: Sequence[str]) -> float:
     return ratios[best]
 
 
+#: Payloads of the TLS benchmark: (label, overrides); the client side is stage 0 (cut 1).
+TLS_PAYLOADS = (
+    ("cnn 8x8, batch 32", ("model=cnn",)),
+    ("resnet 32x32, batch 32", ("model=resnet", "dataset.image_size=32")),
+    ("resnet 32x32, batch 128", ("model=resnet", "dataset.image_size=32",
+                                 "strategy.batch_size=128")),
+)
+
+
+def bench_tls(overrides: Sequence[str], *, batches: int = 200) -> float:
+    """Per-batch round trip over the data plane on loopback, plaintext vs TLS; worst ratio.
+
+    For each payload a trunk service is started twice, plaintext and with TLS
+    (a test CA from :mod:`experiments.certificates`), and one client sends
+    ``batches`` forward requests to each, interleaved in blocks of 10, through
+    the shipped channel (``TrunkChannel`` over ``GrpcTransport``). The time per
+    batch includes the trunk's step; the median is reported.
+    """
+    import statistics
+
+    from experiments.certificates import make_certificates
+    from server.app import build_trunk, trunk_credentials
+    from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkService
+    from splitlearn.split import split
+
+    torch.set_num_threads(1)
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        files = make_certificates(Path(tmp))
+        tls = [f"dataplane.ssl_certfile={files.certificate}",
+               f"dataplane.ssl_keyfile={files.key}"]
+        for label, payload in TLS_PAYLOADS:
+            times: dict[str, list[float]] = {"plain": [], "tls": []}
+            channels = {}
+            services = []
+            for mode, extra in (("plain", []), ("tls", tls)):
+                cfg = compose_config([*payload, *extra, *overrides])
+                trunk, _, tokens, endpoint = build_trunk(cfg)
+                service = TrunkService(endpoint, server_credentials=trunk_credentials(cfg))
+                service.start()
+                services.append(service)
+                token = tokens.issue(client="bench", protocol=cfg.strategy.name, cut=1,
+                                     server_round=1, ttl_s=3600)
+                roots = files.ca.read_bytes() if mode == "tls" else None
+                channels[mode] = TrunkChannel(GrpcTransport(service.address, token,
+                                                            root_certificates=roots))
+            batch = cfg.strategy.batch_size
+            x = torch.rand(batch, *trunk.model.input_shape)
+            y = torch.randint(0, trunk.num_classes, (batch,))
+            acts = split(trunk.model, 1)[0](x).detach()
+            for mode in channels:  # warm-up: connection, handshake, first step
+                channels[mode].forward(acts, y)
+            for _ in range(batches // 10):
+                for mode, channel in channels.items():
+                    for _ in range(10):
+                        started = time.perf_counter()
+                        channel.forward(acts, y)
+                        times[mode].append(time.perf_counter() - started)
+            for channel in channels.values():
+                channel.close()
+            for service in services:
+                service.stop(0)
+            plain, secure = (statistics.median(times[m]) * 1e3 for m in ("plain", "tls"))
+            worst = max(worst, secure / plain)
+            print(f"{label}: {acts.numel() * 4 / 2**20:.2f} MiB up per batch; plaintext "
+                  f"{plain:.2f} ms, TLS {secure:.2f} ms per batch ({secure / plain:.2f}x)",
+                  flush=True)
+    print(json.dumps({"worst_tls_over_plaintext": worst}))
+    return worst
+
+
 def bench_planner_suite(overrides: Sequence[str], *, seeds: int, target: float,
                         scenarios: Sequence[str] | None = None,
                         methods: Sequence[str] | None = None) -> None:
@@ -275,7 +350,7 @@ def bench_planner_suite(overrides: Sequence[str], *, seeds: int, target: float,
 
 
 BENCHMARKS = {"overhead": bench_overhead, "scale": bench_scale, "clock": bench_clock,
-              "memory": bench_memory, "planner": bench_planner_suite}
+              "memory": bench_memory, "planner": bench_planner_suite, "tls": bench_tls}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -210,7 +210,7 @@ class ReportingFedAvg(FedAvg):
         self._sent: dict[int, dict[str, tuple[tuple[int, ...], str]]] = {}  # node -> arrays
         #: The last training round's status of each node that replied.
         self.statuses: dict[int, str] = {}
-        self._asked: list[int] = []  # nodes sent this round's train message
+        self._asked: list[Message] = []  # this round's train messages, as sent
 
     def summary(self) -> None:
         """Log FedAvg's settings plus the protocol's."""
@@ -260,13 +260,13 @@ class ReportingFedAvg(FedAvg):
         self._round_started = time.perf_counter()
         typed = [self._typed(m, server_round, "train") for m in messages
                  if m.metadata.dst_node_id in kept]
-        self._asked = [m.metadata.dst_node_id for m in typed]
+        self._asked = typed
         return typed
 
     def withdraw(self, nodes: Iterable[int]) -> None:
         """Forget that ``nodes`` were asked this round: a wrapper did not send their messages."""
         dropped = set(nodes)
-        self._asked = [node for node in self._asked if node not in dropped]
+        self._asked = [m for m in self._asked if m.metadata.dst_node_id not in dropped]
 
     def choose(self, server_round: int, nodes: list[int]) -> list[int]:
         """Return which of the sampled nodes train this round (a hook: a planner selects)."""
@@ -305,11 +305,32 @@ class ReportingFedAvg(FedAvg):
                 problems[i] = {"reason": problem}
         return problems
 
+    def _own_replies(self, replies: list[Message]) -> tuple[list[Message], dict[int, str]]:
+        """Split the replies into the asked nodes' own and the nodes lost, with why.
+
+        A node that never replied is lost: Flower's grid gave up at the round's
+        timeout, or the SuperLink answered for it (a node that stopped sending
+        heartbeats gets an error reply from the SuperLink's id, not its own).
+        """
+        if not self._asked:  # not configured through configure_train (replies as given)
+            return replies, {}
+        asked = {m.metadata.dst_node_id for m in self._asked}
+        by_message = {m.metadata.message_id: m.metadata.dst_node_id for m in self._asked}
+        own = [r for r in replies if r.metadata.src_node_id in asked]
+        replied = {r.metadata.src_node_id for r in own}
+        lost = {m.metadata.dst_node_id: LOST_REASON for m in self._asked
+                if m.metadata.dst_node_id not in replied}
+        for reply in replies:
+            node = by_message.get(reply.metadata.reply_to_message_id)
+            if reply.metadata.src_node_id not in asked and node in lost and reply.has_error():
+                lost[node] = f"{reply.error.reason} (reported by the SuperLink)"
+        return own, lost
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Record every client, average those that finished, report the round."""
-        replies = list(replies)
+        replies, lost = self._own_replies(list(replies))
         round_train_s = time.perf_counter() - self._round_started
         statuses = [reply_status(r, deadline_s=self.round_deadline_s) for r in replies]
         problems = self._refuse_bad_arrays(replies, statuses)
@@ -324,9 +345,6 @@ class ReportingFedAvg(FedAvg):
         report = dict(metrics or {"num-examples": 0.0})
         for status in STATUSES[1:]:
             report[f"clients-{status}"] = statuses.count(status)
-        # Asked, but no reply came back (Flower's grid gives up at the round's timeout).
-        replied = {r.metadata.src_node_id for r in replies}
-        lost = [node for node in self._asked if node not in replied]
         report["clients-lost"] = len(lost)
         report["failed-clients"] = len(replies) + len(lost) - len(finished)
         # Server-side wall time from sending the round to having every reply.
@@ -334,8 +352,8 @@ class ReportingFedAvg(FedAvg):
         if self.on_round is not None:
             rows = [client_row(r, s) | problems.get(i, {})
                     for i, (r, s) in enumerate(zip(replies, statuses, strict=True))]
-            rows += [{"client": node, "node_id": node, "status": "lost", "reason": LOST_REASON}
-                     for node in lost]
+            rows += [{"client": node, "node_id": node, "status": "lost", "reason": reason}
+                     for node, reason in lost.items()]
             self.on_round(RoundOutcome(
                 server_round, rows, {k.replace("-", "_"): float(v) for k, v in report.items()},
                 self.clients_in_parallel,

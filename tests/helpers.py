@@ -77,6 +77,8 @@ class ScriptedGrid(Grid):
 
     def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
         messages = list(messages)
+        for message in messages:  # ids as Flower's grids give them when they push
+            message.metadata.__dict__["_message_id"] = message.object_id
         self.calls.append(messages)
         return [r for r in map(self.answer, messages) if r is not None]
 

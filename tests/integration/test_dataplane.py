@@ -233,7 +233,7 @@ def test_a_client_built_from_the_proto_alone_trains(trunk_server_factory, tmp_pa
 def test_tls_trunk_serves_only_clients_that_verify_it(trunk_server_factory, tmp_path):
     import grpc
 
-    from tests.tls import make_certificates
+    from experiments.certificates import make_certificates
 
     files = make_certificates(tmp_path / "ours")
     stranger = make_certificates(tmp_path / "stranger", name="stranger")

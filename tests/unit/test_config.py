@@ -277,7 +277,7 @@ def test_privacy_settings_are_checked_when_the_config_becomes_objects():
 
 
 def test_trunk_tls_reaches_the_run_spec_with_its_ca(tmp_path):
-    from tests.tls import make_certificates
+    from experiments.certificates import make_certificates
 
     files = make_certificates(tmp_path)
     cfg = composed(f"dataplane.ssl_certfile={files.certificate}",

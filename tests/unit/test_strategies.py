@@ -655,3 +655,25 @@ def test_streaming_local_loss_trains_nothing_from_replies():
     arrays, _ = strategy.aggregate_train(1, replies)
     assert_arrays(arrays, fedavg((weights(1.0), 10), (weights(3.0), 30)))
     assert trunk.bulk == [] and [sorted(f) for f in trunk.finished] == [["1", "2"]]
+
+
+def test_the_superlinks_error_for_a_vanished_node_makes_that_node_lost():
+    def answer(message: Message) -> Message:
+        node = message.metadata.dst_node_id
+        if node != 2:
+            return trained(node, weights(float(node)), 10, to=message)
+        # What the SuperLink sends for a node that stopped its heartbeats: an error reply
+        # from the SuperLink's own id (1 here is a node of ours too: 9 stands for it).
+        error = Message(Error(code=0, reason="Error: Node Unavailable"), reply_to=message)
+        error.metadata.__dict__["_src_node_id"] = 9
+        error.metadata.__dict__["_reply_to_message_id"] = message.metadata.message_id
+        return error
+
+    outcomes: list[RoundOutcome] = []
+    strategy = split_strategy(on_round=outcomes.append, fraction_evaluate=0.0)
+    strategy.start(grid=ScriptedGrid([1, 2, 3], answer), initial_arrays=start_arrays(),
+                   num_rounds=1)
+    rows = {int(r["node_id"]): r for r in outcomes[0].rows}
+    assert sorted(rows) == [1, 2, 3]  # no row for the SuperLink's id
+    assert rows[2]["status"] == "lost" and "Node Unavailable" in rows[2]["reason"]
+    assert outcomes[0].metrics["clients_lost"] == 1
