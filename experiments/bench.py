@@ -30,6 +30,10 @@
     ``--methods``); see
     :mod:`experiments.planner_bench`. The last line is JSON with the reductions.
 
+``executorch``
+    The client step exported to ExecuTorch and run by its runtime, against eager
+    PyTorch: time per step. The last line is the worst ratio.
+
 ``tls``
     Per-batch round trip over the data plane on loopback, plaintext vs TLS, for
     three payload sizes (the trunk's step included). The last line is the worst ratio.
@@ -340,6 +344,67 @@ def bench_tls(overrides: Sequence[str], *, batches: int = 200) -> float:
     return worst
 
 
+def median_ms(run, *, steps: int) -> float:  # noqa: ANN001 - a callable of no arguments
+    """Median wall time of ``run()`` over ``steps`` calls, after one warm-up, in ms."""
+    import statistics
+
+    run()
+    samples = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples) * 1e3
+
+
+def executorch_step_times(name: str, overrides: Sequence[str], *, steps: int
+                          ) -> tuple[float, float, int]:
+    """Eager and ExecuTorch ms per client step of ``model=name`` at cut 1; the batch size."""
+    from clients.executorch_step import ExecuTorchClientStep, export_client_step
+    from splitlearn.config import to_object
+    from splitlearn.models.factory import build_model_from_config
+    from splitlearn.split import split
+
+    cfg = compose_config([f"model={name}", *overrides])
+    model = build_model_from_config(to_object(cfg.model), to_object(cfg.dataset), seed=0)
+    batch, lr = cfg.strategy.batch_size, cfg.strategy.lr
+    x = torch.rand(batch, *model.input_shape)
+    grad = torch.randn(batch, *model.cut_shape(1))
+    bottom, _ = split(model, 1)
+    optimizer = torch.optim.SGD(bottom.parameters(), lr=lr)
+    device = ExecuTorchClientStep(export_client_step(model, 1, batch_size=batch), lr=lr)
+
+    def eager_step() -> None:
+        optimizer.zero_grad()
+        bottom(x).backward(grad)
+        optimizer.step()
+
+    def executorch_step() -> None:
+        device.activations(x)
+        device.train(x, grad)
+
+    return median_ms(eager_step, steps=steps), median_ms(executorch_step, steps=steps), batch
+
+
+def bench_executorch(overrides: Sequence[str], *, steps: int = 50) -> float:
+    """Client step time: the ExecuTorch program vs eager PyTorch; return the worst ratio.
+
+    The client side at cut 1 (digits 8x8, batch 32; ``cnn`` and ``lenet5``, whose bottom
+    ends in MaxPool2d), the trunk's gradient stood in by a fixed random tensor: eager is
+    forward, backward from that gradient and an SGD step; ExecuTorch is the program's two
+    runs (activations, then forward-backward) and its SGD step. Median of ``steps``.
+    """
+    torch.set_num_threads(1)
+    worst = 0.0
+    for name in ("cnn", "lenet5"):
+        eager, executorch, batch = executorch_step_times(name, overrides, steps=steps)
+        worst = max(worst, executorch / eager)
+        print(f"{name} cut 1, batch {batch}: eager {eager:.3f} ms, ExecuTorch "
+              f"{executorch:.3f} ms per step ({executorch / eager:.2f}x)", flush=True)
+    print(json.dumps({"worst_executorch_over_eager": worst}))
+    return worst
+
+
 def bench_planner_suite(overrides: Sequence[str], *, seeds: int, target: float,
                         scenarios: Sequence[str] | None = None,
                         methods: Sequence[str] | None = None) -> None:
@@ -350,7 +415,8 @@ def bench_planner_suite(overrides: Sequence[str], *, seeds: int, target: float,
 
 
 BENCHMARKS = {"overhead": bench_overhead, "scale": bench_scale, "clock": bench_clock,
-              "memory": bench_memory, "planner": bench_planner_suite, "tls": bench_tls}
+              "memory": bench_memory, "planner": bench_planner_suite, "tls": bench_tls,
+              "executorch": bench_executorch}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
