@@ -142,7 +142,6 @@ class ClientRound:
             generator=secret_generator() if secret else None,
         )
 
-
     def dataset(self) -> TensorDataset:
         """Return the node's own data (``data-path``), else its partition of the run's data."""
         if self.data_path is None:

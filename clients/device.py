@@ -9,6 +9,7 @@ may vanish mid-round, may lack the memory for its protocol's modules, and, with
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from dataclasses import dataclass
@@ -100,8 +101,9 @@ def device_profile(
     return profiles[partition_id] if profiles else None
 
 
+@functools.cache
 def preset_profiles() -> dict[str, dict]:
-    """Return the shipped device presets by name (plain mappings, as in the config)."""
+    """Return the shipped device presets by name (plain mappings; read once, do not modify)."""
     return OmegaConf.to_container(OmegaConf.load(PRESETS_FILE))  # type: ignore[return-value]
 
 

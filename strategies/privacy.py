@@ -70,10 +70,6 @@ class PrivacyBudgetGuard(Strategy):
         self.strategy.restore(saved)
         self.exhausted = set(saved["exhausted"])
 
-    def withdraw(self, nodes: Iterable[int]) -> None:
-        """Forget, as the wrapped strategy does, that ``nodes`` were asked this round."""
-        self.strategy.withdraw(nodes)
-
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
