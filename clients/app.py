@@ -227,6 +227,7 @@ def _dropout_hook(plan: DevicePlan, channel: TrunkChannel | None) -> Callable[[i
 def train(rnd: ClientRound, msg: Message, context: Context, open_channel: ChannelFactory
           ) -> Message:
     """One round of the message's protocol on this node."""
+    entered = time.perf_counter()
     spec = rnd.spec
     floor = _privacy_floor(context, spec)
     torch.set_num_threads(spec.torch_threads)
@@ -268,12 +269,16 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     # The device's own wall time (waiting for the trunk is the trunk's, charged per round):
     # with devices.emulate, what virtual-s predicts.
     metrics["device-wall-s"] = time.perf_counter() - started - report.wait_s
+    # Where the handler's time went (the round's time budget): building the step, the
+    # data and the privacy engine before training, then the whole handler.
+    metrics["setup-s"] = started - entered
     coverage = label_coverage(loader.dataset, step.model.num_classes)
     for key, value in _fleet_metrics(plan, step, coverage).items():
         metrics[key] = value
     if spec.privacy.accounted:
         metrics["epsilon"] = accountant.epsilon(spec.privacy.delta)
         metrics["epsilon-vs-server"] = accountant.epsilon_unamplified(spec.privacy.delta)
+    metrics["handler-s"] = time.perf_counter() - entered
     content = RecordDict({"arrays": arrays, "metrics": metrics})
     for key, arrays in step.reply_arrays().items():
         content[key] = state_to_record(arrays)

@@ -23,6 +23,12 @@
     Measured peak training memory of the client side at every cut (checkpointed)
     against the whole model on the device: ResNet-18 at 32x32, batch 32.
 
+``rounds``
+    The default job's seconds per steady round (rounds 2+) and their budget:
+    Flower and Ray, client set-up, compute, the data plane and trunk,
+    evaluation, what happens between rounds (``--repeats`` runs, each beside one
+    without W&B and checkpoints); see :mod:`experiments.rounds_bench`.
+
 ``planner``
     Virtual time to a target accuracy for every uniform cut and for the greedy,
     DynSL and SmartSplit planners on ``+scenario=heterogeneous`` and
@@ -414,9 +420,16 @@ def bench_planner_suite(overrides: Sequence[str], *, seeds: int, target: float,
     bench_planner(overrides, seeds=seeds, target=target, scenarios=scenarios, methods=methods)
 
 
-BENCHMARKS = {"overhead": bench_overhead, "scale": bench_scale, "clock": bench_clock,
-              "memory": bench_memory, "planner": bench_planner_suite, "tls": bench_tls,
-              "executorch": bench_executorch}
+def bench_rounds_suite(overrides: Sequence[str], *, repeats: int = 3) -> None:
+    """Time the default job's rounds and their budget (:mod:`experiments.rounds_bench`)."""
+    from experiments.rounds_bench import bench_rounds
+
+    bench_rounds(overrides, repeats=repeats)
+
+
+BENCHMARKS = {"overhead": bench_overhead, "rounds": bench_rounds_suite, "scale": bench_scale,
+              "clock": bench_clock, "memory": bench_memory, "planner": bench_planner_suite,
+              "tls": bench_tls, "executorch": bench_executorch}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -425,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides")
     parser.add_argument("--seeds", type=int, default=3, help="planner: seeds per method")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds: runs of the job")
     parser.add_argument("--target", type=float, default=0.9, help="planner: test accuracy")
     parser.add_argument("--scenarios", nargs="+", choices=("heterogeneous", "dynamic"),
                         help="planner: only these scenarios")
@@ -435,6 +449,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.name == "planner":
         bench_planner_suite(args.overrides, seeds=args.seeds, target=args.target,
                             scenarios=args.scenarios, methods=args.methods)
+    elif args.name == "rounds":
+        bench_rounds_suite(args.overrides, repeats=args.repeats)
     else:
         BENCHMARKS[args.name](args.overrides)
 

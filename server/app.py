@@ -328,7 +328,9 @@ class RoundReporter:
             joined_model(self.runtime, arrays), cut=self.runtime.spec.model.cut,
             settings=self.runtime.spec.privacy,
         )
+        evaluating = time.perf_counter()
         loss, accuracy, _ = evaluate_model(deployed, self.test_loader)
+        evaluate_s = time.perf_counter() - evaluating
         metrics: dict[str, float] = {}
         outcome = self._outcomes.pop(server_round, None)
         rows = [self._with_profile(r) for r in outcome.rows] if outcome else []
@@ -336,7 +338,7 @@ class RoundReporter:
             metrics |= outcome.metrics
             metrics["examples"] = metrics.pop("num_examples", 0.0)
         # The run's own figures last: no client metric of the same name may replace them.
-        metrics |= {"test_accuracy": accuracy, "test_loss": loss,
+        metrics |= {"test_accuracy": accuracy, "test_loss": loss, "evaluate_s": evaluate_s,
                     "wall_s": time.perf_counter() - self.started}
         metrics |= self._advance_clock(outcome, rows)
         if usage := memory_usage(rows):

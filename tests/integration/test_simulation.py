@@ -13,6 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from experiments.rounds_bench import PARTS, clients_in_parallel, round_budget
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -58,6 +62,13 @@ def test_two_rounds_three_clients_leave_a_complete_run_folder(tmp_path):
         assert r["bytes_up"] > 0 and r["bytes_down"] > 0 and r["failed_clients"] == 0
     rows = read_clients(run_dir)
     assert len(rows) == 6 and {row["status"] for row in rows} == {"ok"}
+    # Where each client's handler spent its time: set-up, then training, within the handler.
+    for row in rows:
+        setup, train, handler = (float(row[k]) for k in ("setup_s", "train_s", "handler_s"))
+        assert 0 < setup and 0 < train and setup + train <= handler
+    budget = round_budget(rounds, rows, parallel=clients_in_parallel(["num_clients=3"]))
+    assert sum(budget[key] for key, _ in PARTS) == pytest.approx(budget["round_s"])
+    assert 0 < budget["evaluate_s"] < budget["round_s"]
     assert (run_dir / "metrics.csv").read_text().startswith("round,")
     for png in ("metrics.png", "clients.png"):
         assert (run_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
