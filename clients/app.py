@@ -83,7 +83,8 @@ def grpc_channel(address: str, token: str, spec: RunSpec) -> TrunkChannel:
         tls=spec.trunk_tls, root_certificates=roots,
     )
     return TrunkChannel(
-        transport, reply_timeout_s=spec.reply_timeout_s, max_frame_bytes=spec.max_frame_bytes
+        transport, reply_timeout_s=spec.reply_timeout_s, max_frame_bytes=spec.max_frame_bytes,
+        compression=spec.compression,
     )
 
 

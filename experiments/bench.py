@@ -29,6 +29,20 @@
     evaluation, what happens between rounds (``--repeats`` runs, each beside one
     without W&B and checkpoints); see :mod:`experiments.rounds_bench`.
 
+``communication``
+    Bytes per training sample of every protocol against FedAvg: measured runs
+    against the closed forms, and who wins where as the model and the data per
+    client grow; see :mod:`experiments.communication_bench`.
+
+``latency``
+    Data-plane round trip per batch by payload size against a raw gRPC stream
+    of the same bytes; see :mod:`experiments.latency_bench`.
+
+``compression``
+    Data-plane bytes per training sample against final accuracy for every
+    compression method at the cut, on the SmallCNN and the ResNet-style network
+    (``--seeds``); see :mod:`experiments.compression_bench`.
+
 ``planner``
     Virtual time to a target accuracy for every uniform cut and for the greedy,
     DynSL and SmartSplit planners on ``+scenario=heterogeneous`` and
@@ -427,7 +441,30 @@ def bench_rounds_suite(overrides: Sequence[str], *, repeats: int = 3) -> None:
     bench_rounds(overrides, repeats=repeats)
 
 
-BENCHMARKS = {"overhead": bench_overhead, "rounds": bench_rounds_suite, "scale": bench_scale,
+def bench_compression_suite(overrides: Sequence[str], *, seeds: int = 3) -> None:
+    """Bytes saved vs accuracy lost per method (:mod:`experiments.compression_bench`)."""
+    from experiments.compression_bench import bench_compression
+
+    bench_compression(overrides, seeds=seeds)
+
+
+def bench_latency_suite(overrides: Sequence[str]) -> None:
+    """Time the data plane against raw gRPC (:mod:`experiments.latency_bench`)."""
+    from experiments.latency_bench import bench_latency
+
+    bench_latency(overrides)
+
+
+def bench_communication_suite(overrides: Sequence[str]) -> None:
+    """Protocols' bytes per sample vs FedAvg (:mod:`experiments.communication_bench`)."""
+    from experiments.communication_bench import bench_communication
+
+    bench_communication(overrides)
+
+
+BENCHMARKS = {"overhead": bench_overhead, "rounds": bench_rounds_suite,
+              "compression": bench_compression_suite, "communication": bench_communication_suite,
+              "latency": bench_latency_suite, "scale": bench_scale,
               "clock": bench_clock, "memory": bench_memory, "planner": bench_planner_suite,
               "tls": bench_tls, "executorch": bench_executorch}
 
@@ -437,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides")
-    parser.add_argument("--seeds", type=int, default=3, help="planner: seeds per method")
+    parser.add_argument("--seeds", type=int, default=3, help="planner, compression: seeds")
     parser.add_argument("--repeats", type=int, default=3, help="rounds: runs of the job")
     parser.add_argument("--target", type=float, default=0.9, help="planner: test accuracy")
     parser.add_argument("--scenarios", nargs="+", choices=("heterogeneous", "dynamic"),
@@ -449,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.name == "planner":
         bench_planner_suite(args.overrides, seeds=args.seeds, target=args.target,
                             scenarios=args.scenarios, methods=args.methods)
+    elif args.name == "compression":
+        bench_compression_suite(args.overrides, seeds=args.seeds)
     elif args.name == "rounds":
         bench_rounds_suite(args.overrides, repeats=args.repeats)
     else:

@@ -103,7 +103,7 @@ def in_process_channels(endpoint: TrunkEndpoint):  # noqa: ANN201 - a ChannelFac
     def open_channel(address: str, token: str, spec: RunSpec) -> TrunkChannel:
         return TrunkChannel(
             InProcessTransport(endpoint, token), reply_timeout_s=spec.reply_timeout_s,
-            max_frame_bytes=spec.max_frame_bytes,
+            max_frame_bytes=spec.max_frame_bytes, compression=spec.compression,
         )
 
     return open_channel

@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from splitlearn.communication import Sizes
 from splitlearn.models import SplittableModel, StageCost
 from splitlearn.models.base import FLOAT32_BYTES, segment_memory_bytes_per_sample
 from splitlearn.models.lean import lean_stage_costs
@@ -214,6 +215,29 @@ def _with_tail(model: SplittableModel, cost: CutCost, costs: list[StageCost], ta
         checkpointed_memory_bytes=cost.checkpointed_memory_bytes + tail_memory,
         exchanges_per_batch=2,
     )
+
+
+def communication_sizes(model: SplittableModel, cut: int, *, tail_cut: int | None = None
+                        ) -> Sizes:
+    """Return the sizes :func:`splitlearn.communication.bytes_per_sample` needs at ``cut``.
+
+    Values of an example's activation at the cut (and at ``tail_cut``, U-shaped),
+    and the bytes of the state a round ships: the client's stages (below the cut,
+    and from the tail cut on) and the whole model's (parameters and buffers).
+    """
+    stages = list(model.stages)
+    client = [*stages[:_checked_cut(model, cut)], *(stages[tail_cut:] if tail_cut else [])]
+    return Sizes(
+        cut_entries=math.prod(model.cut_shape(cut)), client_param_bytes=_state_bytes(client),
+        model_param_bytes=_state_bytes(stages),
+        tail_entries=math.prod(model.cut_shape(tail_cut)) if tail_cut else 0,
+        client_arrays=sum(len(m.state_dict()) for m in client),
+        model_arrays=sum(len(m.state_dict()) for m in stages),
+    )
+
+
+def _state_bytes(modules: list[nn.Module]) -> int:
+    return sum(t.numel() * t.element_size() for m in modules for t in m.state_dict().values())
 
 
 def tail_train_memory_bytes(model: SplittableModel, tail_cut: int, *, batch_size: int) -> int:

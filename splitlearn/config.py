@@ -76,6 +76,35 @@ class StrategyConfig:
     round_timeout_s: float = 600.0  # Flower waits this long for replies
 
 
+#: How a tensor at the cut may be encoded (see splitlearn/dataplane/compression.py).
+COMPRESSION_METHODS = ("none", "float16", "bfloat16", "int8", "topk")
+
+
+@dataclass
+class CompressionConfig:
+    """How the data plane encodes the tensors at the cut, per direction.
+
+    Every row (example) is encoded on its own. ``float16``/``bfloat16``: 2 bytes
+    a value; ``int8``: 1 byte a value and a float32 scale per row; ``topk``: the
+    ``topk_fraction`` largest entries of each row by magnitude (bfloat16 values,
+    16- or 32-bit positions), the rest zero.
+    """
+
+    name: str = "none"  # the config group option this came from
+    uplink: str = "none"  # what devices send: smashed data (U-shaped: also d loss / d features)
+    downlink: str = "none"  # what the trunk sends: the gradient at the cut (U-shaped: features)
+    topk_fraction: float = 0.1  # topk: the share of each row's entries kept
+
+    def __post_init__(self) -> None:
+        for key in ("uplink", "downlink"):
+            if getattr(self, key) not in COMPRESSION_METHODS:
+                raise ValueError(f"dataplane.compression.{key}={getattr(self, key)!r}: "
+                                 f"expected one of {list(COMPRESSION_METHODS)}")
+        if not 0.0 < self.topk_fraction <= 1.0:
+            raise ValueError("dataplane.compression.topk_fraction must be in (0, 1], got "
+                             f"{self.topk_fraction}")
+
+
 @dataclass
 class DataPlaneConfig:
     """The trunk's gRPC service and what it accepts."""
@@ -100,6 +129,7 @@ class DataPlaneConfig:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     ssl_ca_certfile: str | None = None
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
 
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -330,6 +360,7 @@ class RunSpec:
     reply_timeout_s: float = 600.0
     trunk_tls: bool = False  # the trunk service serves TLS
     trunk_root_certificates: str = ""  # PEM to verify it by ("" with TLS: system roots)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     partitioner: PartitionerConfig = field(default_factory=PartitionerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -348,6 +379,7 @@ def run_spec(cfg: DictConfig, *, host_flops_per_s: float) -> RunSpec:
         trunk_tls=cfg.dataplane.ssl_certfile is not None,
         trunk_root_certificates=(Path(cfg.dataplane.ssl_ca_certfile).read_text()
                                  if cfg.dataplane.ssl_ca_certfile else ""),
+        compression=to_object(cfg.dataplane.compression),
         **{k: to_object(cfg[k]) for k in (
             "dataset", "partitioner", "model", "strategy", "privacy", "failures", "devices")},
     )

@@ -26,7 +26,7 @@ from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
@@ -147,6 +147,17 @@ def client_row(reply: Message, status: str) -> dict[str, Any]:
         row["partition_id"] = int(metrics["partition-id"])
         row["client"] = str(row["partition_id"])
     return row | {k.replace("-", "_"): v for k, v in metrics.items() if k != "partition-id"}
+
+
+def with_dtypes_of(record: ArrayRecord, reference: ArrayRecord) -> ArrayRecord:
+    """Return ``record`` with each array cast to ``reference``'s dtype (integers rounded)."""
+    arrays = {}
+    for key, array in record.items():
+        values, dtype = array.numpy(), reference[key].numpy().dtype
+        if np.issubdtype(dtype, np.integer):
+            values = np.rint(values)
+        arrays[key] = Array(np.asarray(values).astype(dtype, copy=False))
+    return ArrayRecord(arrays)
 
 
 def aggregate_split_metrics(records: list[RecordDict], weighting_key: str) -> MetricRecord:
@@ -277,8 +288,14 @@ class ReportingFedAvg(FedAvg):
         return arrays
 
     def aggregate_arrays(self, server_round: int, finished: list[Message]) -> ArrayRecord:
-        """Average the finished clients' arrays by examples, as FedAvg does (a hook)."""
-        return aggregate_arrayrecords([r.content for r in finished], self.weighted_by_key)
+        """Average the finished clients' arrays by examples, as FedAvg does (a hook).
+
+        Each array keeps the dtype the clients sent: Flower's average turns
+        integer buffers (batch norm's ``num_batches_tracked``) into float64,
+        which the next round's clients would send back as int64 and be refused.
+        """
+        averaged = aggregate_arrayrecords([r.content for r in finished], self.weighted_by_key)
+        return with_dtypes_of(averaged, finished[0].content[self.arrayrecord_key])
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -44,9 +44,10 @@ from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import (
     FrameError,
     Reason,
+    build,
     check_activations,
     check_labels,
-    encode_tensor,
+    encoder,
     magnitude,
     present,
 )
@@ -194,6 +195,7 @@ class SplitSession:
     def __init__(self, pool: SharedTrunk | TrunkPerClient, *, limits: DataPlaneConfig) -> None:
         self.pool = pool
         self.limits = limits
+        self._encode = encoder(limits.compression, "downlink")  # the gradient at the cut
 
     def handle(self, session: Session, request: pb.Request) -> pb.Reply:
         """Validate the batch against the client's cut, then train or evaluate."""
@@ -207,10 +209,10 @@ class SplitSession:
         acts, labels = checked_batch(getattr(request, kind), trunk=trunk, cut=cut,
                                      limits=self.limits)
         if kind == "evaluate":
-            return pb.Reply(metrics=evaluate_batch(trunk, cut, acts, labels))
+            return build(pb.Reply, metrics=evaluate_batch(trunk, cut, acts, labels))
         result = self.train(session, trunk, acts, labels)
-        return pb.Reply(gradient=pb.Gradient(
-            grad=encode_tensor(result.grad), loss=float(result.losses.mean()),
+        return build(pb.Reply, gradient=build(
+            pb.Gradient, grad=self._encode(result.grad), loss=float(result.losses.mean()),
             correct=int(result.hits.sum()),
         ))
 

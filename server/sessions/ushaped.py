@@ -42,9 +42,10 @@ from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import (
     FrameError,
     Reason,
+    build,
     check_activations,
     check_gradient,
-    encode_tensor,
+    encoder,
     magnitude,
     present,
 )
@@ -84,6 +85,7 @@ class UShapedSession:
         self.trunk: Trunk = pool.trunk
         self.tail_cut = tail_cut
         self.limits = limits
+        self._encode = encoder(limits.compression, "downlink")  # features and gradients
         self._pending: dict[str, Pending] = {}
         self._lock = threading.Lock()
         #: Forwards whose backward never came before the next forward.
@@ -109,7 +111,7 @@ class UShapedSession:
                              f"below the tail cut {self.tail_cut}")
         if kind == "backward":
             grad = self._step(session, request.backward)
-            return pb.Reply(gradient=pb.Gradient(grad=encode_tensor(grad)))
+            return build(pb.Reply, gradient=build(pb.Gradient, grad=self._encode(grad)))
         if kind not in ("forward", "evaluate"):
             raise FrameError(Reason.UNEXPECTED_KIND, f"U-shaped sessions send 'forward', "
                              f"'backward' or 'evaluate', not {kind!r}")
@@ -125,10 +127,10 @@ class UShapedSession:
         if kind == "evaluate":
             with torch.no_grad(), self.trunk.forward_only(train=False):
                 features = self.trunk.run(acts, cut, self.tail_cut)
-            return pb.Reply(features=pb.Features(features=encode_tensor(features)))
+            return build(pb.Reply, features=build(pb.Features, features=self._encode(features)))
         features, replaced = self._forward(session, cut, acts)
-        return pb.Reply(features=pb.Features(
-            features=encode_tensor(features), replaced_pending=replaced))
+        return build(pb.Reply, features=build(
+            pb.Features, features=self._encode(features), replaced_pending=replaced))
 
     def _forward(self, session: Session, cut: int, activations: Tensor) -> tuple[Tensor, bool]:
         acts = activations.detach().requires_grad_(True)

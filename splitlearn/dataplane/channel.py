@@ -20,8 +20,9 @@ from typing import Protocol
 import grpc
 import torch
 
+from splitlearn.config import CompressionConfig
 from splitlearn.dataplane import trunk_pb2 as pb
-from splitlearn.dataplane.codec import decode_tensor, encode_tensor
+from splitlearn.dataplane.codec import build, decode_tensor, encode_tensor, encoder
 from splitlearn.dataplane.endpoint import SessionRefused, TrunkEndpoint
 from splitlearn.dataplane.service import EXCHANGE_METHOD, TOKEN_METADATA_KEY
 
@@ -225,6 +226,8 @@ class TrunkChannel:
         Largest reply accepted.
     window : int
         One-way requests (``smashed``) in flight before :meth:`send_smashed` waits.
+    compression : CompressionConfig | None
+        Its ``uplink`` method encodes the floats this device sends (None: as computed).
     """
 
     def __init__(
@@ -234,10 +237,13 @@ class TrunkChannel:
         reply_timeout_s: float = 600.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         window: int = DEFAULT_WINDOW,
+        compression: CompressionConfig | None = None,
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.transport = transport
+        # The floats this device sends (activations; U-shaped: also the head's gradient).
+        self._encode = encoder(compression or CompressionConfig(), "uplink")
         self.reply_timeout_s = reply_timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.window = window
@@ -259,7 +265,7 @@ class TrunkChannel:
         return self._seq
 
     def _send(self, **kind: object) -> None:
-        data = pb.Request(seq=self.next_seq(), **kind).SerializeToString()  # type: ignore[arg-type]
+        data = build(pb.Request, seq=self.next_seq(), **kind).SerializeToString()
         started = time.perf_counter()
         self.transport.send(data)
         self.wait_s += time.perf_counter() - started
@@ -299,32 +305,34 @@ class TrunkChannel:
         self, activations: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, float, int]:
         """Train on one batch; return the gradient at the cut, the mean loss and hits."""
-        reply = self._call("gradient", forward=pb.Forward(
-            activations=encode_tensor(activations), labels=encode_tensor(labels)))
+        reply = self._call("gradient", forward=build(
+            pb.Forward, activations=self._encode(activations), labels=encode_tensor(labels)))
         grad = self._tensor(reply.gradient.grad, "grad")
         return grad, reply.gradient.loss, int(reply.gradient.correct)
 
     def evaluate(self, activations: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
         """Mean loss and hits of one batch, without an update."""
-        reply = self._call("metrics", evaluate=pb.Evaluate(
-            activations=encode_tensor(activations), labels=encode_tensor(labels)))
+        reply = self._call("metrics", evaluate=build(
+            pb.Evaluate, activations=self._encode(activations), labels=encode_tensor(labels)))
         return reply.metrics.loss, int(reply.metrics.correct)
 
     # --- U-shaped: labels stay on the device ----------------------------------------
 
     def forward_features(self, activations: torch.Tensor) -> torch.Tensor:
         """Send activations (no labels); return the trunk's features (it keeps the graph)."""
-        reply = self._call("features", forward=pb.Forward(activations=encode_tensor(activations)))
+        reply = self._call("features",
+                           forward=build(pb.Forward, activations=self._encode(activations)))
         return self._tensor(reply.features.features, "features")
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor:
         """Send d loss / d features of the pending batch; return the gradient at the cut."""
-        reply = self._call("gradient", backward=pb.Backward(grad=encode_tensor(grad)))
+        reply = self._call("gradient", backward=build(pb.Backward, grad=self._encode(grad)))
         return self._tensor(reply.gradient.grad, "grad")
 
     def evaluate_features(self, activations: torch.Tensor) -> torch.Tensor:
         """Return the trunk's features for one batch, without a graph or an update."""
-        reply = self._call("features", evaluate=pb.Evaluate(activations=encode_tensor(activations)))
+        reply = self._call("features",
+                           evaluate=build(pb.Evaluate, activations=self._encode(activations)))
         return self._tensor(reply.features.features, "features")
 
     # --- local loss: one way ---------------------------------------------------------
@@ -333,8 +341,8 @@ class TrunkChannel:
         """Send one batch of smashed data without waiting, unless ``window`` are unacked."""
         while self._in_flight >= self.window:
             self._collect_ack()
-        self._send(smashed=pb.Smashed(
-            activations=encode_tensor(activations), labels=encode_tensor(labels)))
+        self._send(smashed=build(
+            pb.Smashed, activations=self._encode(activations), labels=encode_tensor(labels)))
         self._in_flight += 1
 
     def flush(self) -> None:

@@ -9,15 +9,29 @@ refusal reasons, so the server answers with a ``Refusal`` and never crashes a st
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
+from google.protobuf.message import Message as _Message
 
+from splitlearn.config import COMPRESSION_METHODS, CompressionConfig
 from splitlearn.dataplane import trunk_pb2 as pb
+from splitlearn.dataplane.compression import (
+    FLOAT16_MAX,
+    as_rows,
+    nonzero_mask,
+    quantize_rows,
+    scatter_rows,
+    top_k_rows,
+    unpack_mask,
+)
 
 Reason = pb.Refusal.Reason
+_M = TypeVar("_M", bound=_Message)
 
 #: Wire dtypes and their torch counterparts; nothing else is accepted.
 DTYPES: dict[int, torch.dtype] = {
@@ -25,8 +39,12 @@ DTYPES: dict[int, torch.dtype] = {
     pb.FLOAT16: torch.float16,
     pb.BFLOAT16: torch.bfloat16,
     pb.INT64: torch.int64,
+    pb.INT8: torch.int8,  # quantised floats only, with their scales
 }
-_WIRE_DTYPES = {v: k for k, v in DTYPES.items()}
+#: What a dense tensor may be sent as (int8 only comes from quantisation).
+_WIRE_DTYPES = {v: k for k, v in DTYPES.items() if k != pb.INT8}
+#: Rows up to this many entries index them with uint16, longer ones with uint32.
+UINT16_ROW_LIMIT = 1 << 16
 #: More dimensions than any activation here needs; bounds the work a header can ask for.
 MAX_DIMS = 8
 
@@ -52,9 +70,55 @@ class FrameError(ValueError):
         return Reason.Name(self.reason)
 
 
-def encode_tensor(tensor: torch.Tensor) -> pb.Tensor:
-    """Return the wire form of ``tensor`` (detached, on the CPU, contiguous)."""
+def build(cls: type[_M], **fields: object) -> _M:
+    """Build a proto message; message-typed fields are copied in with ``CopyFrom``.
+
+    The generated constructor takes nested messages too, but copies them about
+    20x slower: for an 8 MiB activation batch, 10.7 ms against 0.5 ms.
+    """
+    message = cls()
+    for name, value in fields.items():
+        if isinstance(value, _Message):
+            getattr(message, name).CopyFrom(value)
+        else:
+            setattr(message, name, value)
+    return message
+
+
+def encode_tensor(tensor: torch.Tensor, method: str = "none", *, topk_fraction: float = 0.1
+                  ) -> pb.Tensor:
+    """Return the wire form of ``tensor`` (detached, on the CPU, contiguous).
+
+    ``method`` (see :class:`~splitlearn.config.CompressionConfig`) applies to
+    float tensors with a batch dimension and at least one entry per row; any
+    other tensor (labels, scalars, empty batches) is sent as it is.
+    """
     t = tensor.detach().cpu().contiguous()
+    if method == "none" or not t.is_floating_point() or t.dim() == 0 or not t[:1].numel():
+        return _dense(t)
+    if method == "float16":  # saturate rather than turn large activations into inf
+        return _dense(t.float().clamp(-FLOAT16_MAX, FLOAT16_MAX).half())
+    if method == "bfloat16":
+        return _dense(t.bfloat16())
+    if method == "int8":
+        q, scales = quantize_rows(t)
+        if (masked := nonzero_mask(q)) is not None:  # ReLU's zeros cost a bit, not a byte
+            mask, values = masked
+            return pb.Tensor(dtype=pb.INT8, shape=t.shape, data=values.numpy().tobytes(),
+                             scales=scales.numpy().tobytes(), mask=mask)
+        return pb.Tensor(dtype=pb.INT8, shape=t.shape, data=q.numpy().tobytes(),
+                         scales=scales.numpy().tobytes())
+    if method == "topk":
+        indices, values = top_k_rows(t, topk_fraction)
+        width = np.uint16 if indices.shape[1] and as_rows(t).shape[1] <= UINT16_ROW_LIMIT \
+            else np.uint32
+        return pb.Tensor(dtype=pb.BFLOAT16, shape=t.shape, row_nnz=indices.shape[1],
+                         data=values.bfloat16().view(torch.int16).numpy().tobytes(),
+                         indices=indices.numpy().astype(width).tobytes())
+    raise ValueError(f"unknown compression {method!r}; expected one of {COMPRESSION_METHODS}")
+
+
+def _dense(t: torch.Tensor) -> pb.Tensor:
     if t.dtype not in _WIRE_DTYPES:
         raise ValueError(f"dtype {t.dtype} cannot be sent; accepted: {list(_WIRE_DTYPES)}")
     # bfloat16 has no numpy dtype: ship its raw 16-bit patterns.
@@ -62,14 +126,23 @@ def encode_tensor(tensor: torch.Tensor) -> pb.Tensor:
     return pb.Tensor(dtype=_WIRE_DTYPES[t.dtype], shape=t.shape, data=raw.numpy().tobytes())
 
 
+def encoder(compression: CompressionConfig, direction: str):  # noqa: ANN201 - a partial
+    """Return ``encode_tensor`` with the method for ``direction`` ("uplink" or "downlink")."""
+    return functools.partial(encode_tensor, method=getattr(compression, direction),
+                             topk_fraction=compression.topk_fraction)
+
+
 def decode_tensor(msg: pb.Tensor, *, name: str, max_bytes: int) -> torch.Tensor:
     """Check a wire tensor's header against its bytes and return it as a tensor it owns.
+
+    Compressed tensors (int8 with scales, or top-k sparse) come back dense, float32.
 
     Raises
     ------
     FrameError
         ``BAD_TENSOR`` for an unknown dtype, ``TOO_LARGE`` for too many or too
-        large dimensions, ``MALFORMED`` when the bytes do not match the header.
+        large dimensions, ``MALFORMED`` when the bytes do not match the header,
+        ``NOT_FINITE`` for a non-finite scale.
     """
     if msg.dtype not in DTYPES:
         accepted = [pb.DType.Name(d) for d in DTYPES]
@@ -82,19 +155,116 @@ def decode_tensor(msg: pb.Tensor, *, name: str, max_bytes: int) -> torch.Tensor:
             Reason.TOO_LARGE, f"{name} has shape {shape}: more than {MAX_DIMS} dimensions "
             f"or a dimension above {max_bytes}"
         )
+    if msg.dtype == pb.INT8 or msg.row_nnz or msg.indices or msg.mask:
+        return _decode_compressed(msg, shape, name=name, max_bytes=max_bytes)
+    if msg.scales:
+        raise FrameError(Reason.MALFORMED, f"{name} carries scales but is not INT8")
     dtype = DTYPES[msg.dtype]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if math.prod(shape) * itemsize != len(msg.data):
+    if math.prod(shape) * _itemsize(dtype) != len(msg.data):
         raise FrameError(
             Reason.MALFORMED, f"{name} of shape {shape} and dtype {pb.DType.Name(msg.dtype)} "
-            f"needs {math.prod(shape) * itemsize} bytes, the frame holds {len(msg.data)}"
+            f"needs {math.prod(shape) * _itemsize(dtype)} bytes, the frame holds {len(msg.data)}"
         )
+    return _values(msg.data, dtype, shape)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _values(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if dtype == torch.bfloat16:
-        array = np.frombuffer(msg.data, dtype=np.int16).copy().reshape(shape)
+        array = np.frombuffer(data, dtype=np.int16).copy().reshape(shape)
         return torch.from_numpy(array).view(torch.bfloat16)
     np_dtype = torch.empty((), dtype=dtype).numpy().dtype
     # copy(): the tensor owns writable memory (autograd leaves need it).
-    return torch.from_numpy(np.frombuffer(msg.data, dtype=np_dtype).copy().reshape(shape))
+    return torch.from_numpy(np.frombuffer(data, dtype=np_dtype).copy().reshape(shape))
+
+
+def _decode_compressed(msg: pb.Tensor, shape: tuple[int, ...], *, name: str, max_bytes: int
+                       ) -> torch.Tensor:
+    """Decode an int8 and/or top-k tensor into dense float32, checking every field."""
+    dtype = DTYPES[msg.dtype]
+    if not shape or (not dtype.is_floating_point and dtype != torch.int8):
+        raise FrameError(Reason.BAD_TENSOR, f"{name}: only float tensors with a batch "
+                         f"dimension are sent compressed (dtype {pb.DType.Name(msg.dtype)}, "
+                         f"shape {shape})")
+    # The dense result is what gets allocated: a small frame must not ask for a huge one.
+    if math.prod(shape) * 4 > max_bytes:
+        raise FrameError(Reason.TOO_LARGE, f"{name} of shape {shape} decodes to "
+                         f"{math.prod(shape) * 4} bytes, above the limit of {max_bytes}")
+    rows, row_length = shape[0], math.prod(shape[1:])
+    sparse = bool(msg.row_nnz or msg.indices)
+    if msg.mask:
+        if sparse:
+            raise FrameError(Reason.MALFORMED, f"{name} is both masked and top-k sparse")
+        return _decode_masked(msg, shape, dtype, name=name)
+    k = msg.row_nnz if sparse else row_length
+    if sparse and not 1 <= k <= row_length:
+        raise FrameError(Reason.MALFORMED, f"{name} keeps {k} entries per row of "
+                         f"{row_length}; expected 1 to {row_length}")
+    if rows * k * _itemsize(dtype) != len(msg.data):
+        raise FrameError(Reason.MALFORMED, f"{name}: {rows} rows of {k} "
+                         f"{pb.DType.Name(msg.dtype)} values need {rows * k * _itemsize(dtype)} "
+                         f"bytes, the frame holds {len(msg.data)}")
+    values = _values(msg.data, dtype, (rows, k)).float()
+    if dtype == torch.int8:
+        values = values * _scales(msg, rows, name=name)[:, None]
+    elif msg.scales:
+        raise FrameError(Reason.MALFORMED, f"{name} carries scales but is not INT8")
+    if not sparse:
+        return values.reshape(shape)
+    return scatter_rows(_indices(msg, rows, k, row_length, name=name), values, shape)
+
+
+def _decode_masked(msg: pb.Tensor, shape: tuple[int, ...], dtype: torch.dtype, *, name: str
+                   ) -> torch.Tensor:
+    rows, row_length = shape[0], math.prod(shape[1:])
+    if len(msg.mask) != rows * math.ceil(row_length / 8):
+        raise FrameError(Reason.MALFORMED, f"{name}: a mask of {rows} rows of {row_length} "
+                         f"bits needs {rows * math.ceil(row_length / 8)} bytes, the frame holds "
+                         f"{len(msg.mask)}")
+    try:
+        nonzero = unpack_mask(msg.mask, rows, row_length)
+    except ValueError as err:
+        raise FrameError(Reason.MALFORMED, f"{name}: {err}") from None
+    count = int(nonzero.sum())
+    if count * _itemsize(dtype) != len(msg.data):
+        raise FrameError(Reason.MALFORMED, f"{name}: the mask sets {count} entries, which need "
+                         f"{count * _itemsize(dtype)} bytes, the frame holds {len(msg.data)}")
+    dense = torch.zeros(rows, row_length, dtype=torch.float32)
+    dense[torch.from_numpy(nonzero)] = _values(msg.data, dtype, (count,)).float()
+    if dtype == torch.int8:
+        dense *= _scales(msg, rows, name=name)[:, None]
+    elif msg.scales:
+        raise FrameError(Reason.MALFORMED, f"{name} carries scales but is not INT8")
+    return dense.reshape(shape)
+
+
+def _scales(msg: pb.Tensor, rows: int, *, name: str) -> torch.Tensor:
+    if len(msg.scales) != rows * 4:
+        raise FrameError(Reason.MALFORMED, f"{name}: INT8 needs one float32 scale per row "
+                         f"({rows * 4} bytes), the frame holds {len(msg.scales)}")
+    scales = torch.from_numpy(np.frombuffer(msg.scales, dtype=np.float32).copy())
+    if not bool(torch.isfinite(scales).all()):
+        raise FrameError(Reason.NOT_FINITE, f"{name} has NaN or infinite scales")
+    if bool((scales < 0).any()):
+        raise FrameError(Reason.MALFORMED, f"{name} has negative scales")
+    return scales
+
+
+def _indices(msg: pb.Tensor, rows: int, k: int, row_length: int, *, name: str) -> torch.Tensor:
+    width = np.uint16 if row_length <= UINT16_ROW_LIMIT else np.uint32
+    size = np.dtype(width).itemsize
+    if len(msg.indices) != rows * k * size:
+        raise FrameError(Reason.MALFORMED, f"{name}: {rows} rows of {k} positions as "
+                         f"{np.dtype(width).name} need {rows * k * size} bytes, the frame "
+                         f"holds {len(msg.indices)}")
+    indices = np.frombuffer(msg.indices, dtype=width).astype(np.int64).reshape(rows, k)
+    if indices.size and int(indices.max()) >= row_length:
+        raise FrameError(Reason.MALFORMED, f"{name} has a position beyond its rows of "
+                         f"{row_length} entries")
+    return torch.from_numpy(indices)
 
 
 def decode_request(data: bytes, *, max_bytes: int) -> pb.Request:

@@ -14,21 +14,31 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT16: _ClassVar[DType]
     BFLOAT16: _ClassVar[DType]
     INT64: _ClassVar[DType]
+    INT8: _ClassVar[DType]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
 BFLOAT16: DType
 INT64: DType
+INT8: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "scales", "row_nnz", "indices", "mask")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    ROW_NNZ_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    MASK_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    scales: bytes
+    row_nnz: int
+    indices: bytes
+    mask: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., row_nnz: _Optional[int] = ..., indices: _Optional[bytes] = ..., mask: _Optional[bytes] = ...) -> None: ...
 
 class Forward(_message.Message):
     __slots__ = ("activations", "labels")

@@ -132,6 +132,10 @@ tensors = st.builds(
     dtype=st.integers(0, 6),
     shape=st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 40), max_size=10),
     data=st.binary(max_size=2048),
+    scales=st.binary(max_size=64),  # compressed forms too (int8 scales, top-k positions)
+    row_nnz=st.integers(0, 8),
+    indices=st.binary(max_size=128),
+    mask=st.binary(max_size=16),
 )
 
 
