@@ -39,7 +39,7 @@
     of the same bytes; see :mod:`experiments.latency_bench`.
 
 ``compression``
-    Data-plane bytes per training sample against final accuracy for every
+    Bytes moved per training sample against final accuracy for every
     compression method at the cut, on the SmallCNN and the ResNet-style network
     (``--seeds``); see :mod:`experiments.compression_bench`.
 

@@ -8,7 +8,7 @@ is trained once per method of :data:`splitlearn.config.COMPRESSION_METHODS`,
 both directions compressed (``compression=METHOD``), through the shipped
 strategy, ClientApp and trunk in this process (:func:`experiments.local.run_local`,
 one client at a time, so that two runs differ only by their encoding). Per run:
-data-plane bytes per training sample (up and down, every round) and the final
+bytes per training sample (data plane and weights, up and down, every round) and the final
 test accuracy. Writes ``compression.csv``, ``compression.json`` and
 ``compression.png``; the last line printed is JSON with, per network, the
 largest reduction among the methods within ``max_drop`` points of the
@@ -45,7 +45,7 @@ class CompressionRun:
     network: str
     method: str
     seed: int
-    bytes_per_sample: float  # data plane, up + down, per training sample
+    bytes_per_sample: float  # data plane and weights, up + down, per training sample
     up_per_sample: float
     down_per_sample: float
     final_accuracy: float
@@ -105,7 +105,7 @@ def plot(summary: dict, path: Path) -> None:
                         xytext=(4, 4), textcoords="offset points")
         ax.axhline(0.5, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log")
-        ax.set_xlabel("data-plane KiB per training sample (up + down)")
+        ax.set_xlabel("KiB moved per training sample (data plane and weights, both ways)")
         ax.set_ylabel("accuracy lost vs uncompressed (points)")
         ax.set_title(network)
     fig.tight_layout()

@@ -56,6 +56,7 @@ from splitlearn.evaluation import evaluate_model
 from splitlearn.models import SplittableModel
 from splitlearn.models.factory import build_model_from_config, source_module
 from splitlearn.planning.clock import VirtualClock, round_time
+from splitlearn.planning.cost import with_compression
 from splitlearn.planning.devices import DeviceProfile, build_fleet
 from splitlearn.privacy import with_release_at_cut
 from splitlearn.split import load_bottom_state
@@ -168,8 +169,12 @@ def make_planning(cfg: DictConfig, trunk: Trunk, *, host_flops_per_s: float
     step = protocol_named(cfg.strategy.name).client
     # The step says how it talks to the trunk: round trips per batch, and whether a
     # gradient comes back (local loss only sends).
-    costs = [replace(c, exchanges_per_batch=step.exchanges_per_batch,
-                     returns_gradient=step.receives_gradient)
+    # ... and how the data plane encodes the tensors at the cut.
+    encoding = cfg.dataplane.compression
+    costs = [with_compression(replace(c, exchanges_per_batch=step.exchanges_per_batch,
+                                      returns_gradient=step.receives_gradient),
+                              uplink=encoding.uplink, downlink=encoding.downlink,
+                              topk_fraction=encoding.topk_fraction)
              for c in cut_costs(trunk.model, batch_size=cfg.strategy.batch_size, leak=leak,
                                 tail_cut=tail_cut_of(cfg.strategy, trunk.model),
                                 frees_output=step.frees_sent_output)

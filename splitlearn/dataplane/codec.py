@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from google.protobuf.message import Message as _Message
 
+from splitlearn.communication import UINT16_ROW_LIMIT
 from splitlearn.config import COMPRESSION_METHODS, CompressionConfig
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.compression import (
@@ -43,8 +44,6 @@ DTYPES: dict[int, torch.dtype] = {
 }
 #: What a dense tensor may be sent as (int8 only comes from quantisation).
 _WIRE_DTYPES = {v: k for k, v in DTYPES.items() if k != pb.INT8}
-#: Rows up to this many entries index them with uint16, longer ones with uint32.
-UINT16_ROW_LIMIT = 1 << 16
 #: More dimensions than any activation here needs; bounds the work a header can ask for.
 MAX_DIMS = 8
 
@@ -110,8 +109,7 @@ def encode_tensor(tensor: torch.Tensor, method: str = "none", *, topk_fraction: 
                          scales=scales.numpy().tobytes())
     if method == "topk":
         indices, values = top_k_rows(t, topk_fraction)
-        width = np.uint16 if indices.shape[1] and as_rows(t).shape[1] <= UINT16_ROW_LIMIT \
-            else np.uint32
+        width = np.uint16 if as_rows(t).shape[1] <= UINT16_ROW_LIMIT else np.uint32
         return pb.Tensor(dtype=pb.BFLOAT16, shape=t.shape, row_nnz=indices.shape[1],
                          data=values.bfloat16().view(torch.int16).numpy().tobytes(),
                          indices=indices.numpy().astype(width).tobytes())
@@ -160,12 +158,13 @@ def decode_tensor(msg: pb.Tensor, *, name: str, max_bytes: int) -> torch.Tensor:
     if msg.scales:
         raise FrameError(Reason.MALFORMED, f"{name} carries scales but is not INT8")
     dtype = DTYPES[msg.dtype]
-    if math.prod(shape) * _itemsize(dtype) != len(msg.data):
+    data = msg.data  # every read of a bytes field copies it: read it once
+    if math.prod(shape) * _itemsize(dtype) != len(data):
         raise FrameError(
             Reason.MALFORMED, f"{name} of shape {shape} and dtype {pb.DType.Name(msg.dtype)} "
-            f"needs {math.prod(shape) * _itemsize(dtype)} bytes, the frame holds {len(msg.data)}"
+            f"needs {math.prod(shape) * _itemsize(dtype)} bytes, the frame holds {len(data)}"
         )
-    return _values(msg.data, dtype, shape)
+    return _values(data, dtype, shape)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -203,11 +202,12 @@ def _decode_compressed(msg: pb.Tensor, shape: tuple[int, ...], *, name: str, max
     if sparse and not 1 <= k <= row_length:
         raise FrameError(Reason.MALFORMED, f"{name} keeps {k} entries per row of "
                          f"{row_length}; expected 1 to {row_length}")
-    if rows * k * _itemsize(dtype) != len(msg.data):
+    data = msg.data
+    if rows * k * _itemsize(dtype) != len(data):
         raise FrameError(Reason.MALFORMED, f"{name}: {rows} rows of {k} "
                          f"{pb.DType.Name(msg.dtype)} values need {rows * k * _itemsize(dtype)} "
-                         f"bytes, the frame holds {len(msg.data)}")
-    values = _values(msg.data, dtype, (rows, k)).float()
+                         f"bytes, the frame holds {len(data)}")
+    values = _values(data, dtype, (rows, k)).float()
     if dtype == torch.int8:
         values = values * _scales(msg, rows, name=name)[:, None]
     elif msg.scales:
@@ -229,11 +229,12 @@ def _decode_masked(msg: pb.Tensor, shape: tuple[int, ...], dtype: torch.dtype, *
     except ValueError as err:
         raise FrameError(Reason.MALFORMED, f"{name}: {err}") from None
     count = int(nonzero.sum())
-    if count * _itemsize(dtype) != len(msg.data):
+    data = msg.data
+    if count * _itemsize(dtype) != len(data):
         raise FrameError(Reason.MALFORMED, f"{name}: the mask sets {count} entries, which need "
-                         f"{count * _itemsize(dtype)} bytes, the frame holds {len(msg.data)}")
+                         f"{count * _itemsize(dtype)} bytes, the frame holds {len(data)}")
     dense = torch.zeros(rows, row_length, dtype=torch.float32)
-    dense[torch.from_numpy(nonzero)] = _values(msg.data, dtype, (count,)).float()
+    dense[torch.from_numpy(nonzero)] = _values(data, dtype, (count,)).float()
     if dtype == torch.int8:
         dense *= _scales(msg, rows, name=name)[:, None]
     elif msg.scales:

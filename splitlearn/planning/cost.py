@@ -23,7 +23,9 @@ gives ``max_i (T_i(c_i) + W_i(c_i))``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from splitlearn.communication import encoded_row_bytes
 
 #: Backward costs about twice the forward: training = 3 forwards.
 TRAIN_TO_FORWARD_FLOPS = 3
@@ -60,6 +62,9 @@ class CutCost:
         which only sends: 0).
     returns_gradient : bool
         Whether the gradient at the cut comes back down (not with local loss).
+    gradient_bytes_per_sample : int | None
+        Bytes of the gradient at the cut as it comes down, when its encoding
+        differs from the activation's (:func:`with_compression`); None: as large.
     """
 
     cut: int
@@ -73,6 +78,25 @@ class CutCost:
     leak: float | None = None
     exchanges_per_batch: int = 1
     returns_gradient: bool = True
+    gradient_bytes_per_sample: int | None = None
+
+
+def with_compression(cost: CutCost, *, uplink: str, downlink: str, topk_fraction: float = 0.1
+                     ) -> CutCost:
+    """Return ``cost`` with the cut's tensors as the data plane encodes them.
+
+    ``smashed_bytes_per_sample`` (float32 values) becomes the ``uplink``
+    encoding's bytes and the gradient's the ``downlink`` one's
+    (:func:`splitlearn.communication.encoded_row_bytes`; int8 at its dense size,
+    an upper bound when activations have many zeros).
+    """
+    entries = cost.smashed_bytes_per_sample // 4
+    return replace(
+        cost,
+        smashed_bytes_per_sample=encoded_row_bytes(entries, uplink, topk_fraction=topk_fraction),
+        gradient_bytes_per_sample=encoded_row_bytes(entries, downlink,
+                                                    topk_fraction=topk_fraction),
+    )
 
 
 @dataclass(frozen=True)
@@ -149,7 +173,9 @@ def client_seconds(client: ClientState, cost: CutCost, *, checkpoint: bool = Fal
     """Predicted seconds of the client's own compute and transfers at ``cost.cut``."""
     flops = cost.client_flops_per_sample + (cost.recompute_flops_per_sample if checkpoint else 0.0)
     activations = client.samples * cost.smashed_bytes_per_sample
-    gradients = activations if cost.returns_gradient else 0
+    gradient = cost.gradient_bytes_per_sample
+    gradients = (client.samples * (cost.smashed_bytes_per_sample if gradient is None else gradient)
+                 if cost.returns_gradient else 0)
     weights = cost.client_param_bytes
     return (
         client.samples * flops / client.flops_per_s

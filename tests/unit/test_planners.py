@@ -473,3 +473,21 @@ def test_monitor_utility_is_coverage_times_relative_samples_and_loss() -> None:
 def test_monitor_rejects_a_bad_alpha() -> None:
     with pytest.raises(ValueError, match="alpha"):
         ClientMonitor(alpha=0.0)
+
+
+def test_the_cut_costs_follow_the_data_planes_encoding() -> None:
+    """int8 up, bfloat16 down: the planner charges those bytes, and a slow link then takes
+    the shallow cut whose big activations it could not afford at float32."""
+    from splitlearn.planning.cost import client_seconds, with_compression
+
+    shallow = cut_cost(1, client_flops=1.0, server_flops=9.0, smashed=4 * 1000)
+    deep = cut_cost(2, client_flops=2000.0, server_flops=0.0, smashed=4 * 10)
+    encoded = [with_compression(c, uplink="int8", downlink="bfloat16") for c in (shallow, deep)]
+    assert encoded[0].smashed_bytes_per_sample == 1000 + 4
+    assert encoded[0].gradient_bytes_per_sample == 2 * 1000
+    device = client_state("phone", flops=1.0, link=2.0)
+    assert client_seconds(device, encoded[0]) == pytest.approx(1.0 + (1004 + 2000) / 2.0)
+    assert client_seconds(device, shallow) == pytest.approx(1.0 + 8000 / 2.0)
+    plain = solve([device], [shallow, deep], trunk_flops_per_s=1e9)
+    compressed = solve([device], encoded, trunk_flops_per_s=1e9)
+    assert plain.cut_of("phone") == 2 and compressed.cut_of("phone") == 1
