@@ -141,6 +141,12 @@ def check_config(cfg: DictConfig) -> None:
     spec = run_spec(cfg, host_flops_per_s=0.0)
     for cut in sorted({config.model.cut, *cuts_in_play(config, model)}):  # a planner's too
         protocol.client(model, spec, cut=cut)
+    if config.privacy.nopeek_weight and not issubclass(protocol.client, SplitStep):
+        raise ValueError(
+            f"privacy.nopeek_weight={config.privacy.nopeek_weight} regularises the split "
+            f"protocols' device side (splitfed_v1, splitfed_v2, sglr, sequential), not "
+            f"strategy={protocol.name}"
+        )
     if config.privacy.name == "activation_gaussian" and not protocol.client.sends_activations:
         raise ValueError(
             f"privacy=activation_gaussian protects activations; strategy={protocol.name} sends none"

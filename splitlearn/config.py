@@ -186,10 +186,15 @@ class PrivacyConfig:
     noise_multiplier: float = 0.0  # sigma: noise std = sigma * C; > 0 unless name=none
     delta: float = 1e-5  # below 1/n for the ~150 examples a digits client holds
     epsilon_max: float | None = None  # per-client budget; None = train every round
+    # NoPeek: the device also minimises this x dCor(inputs, what it sends), batch by batch
+    # (split protocols); a defence against inversion, not a DP guarantee. 0 = off.
+    nopeek_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.name not in PRIVACY_NAMES:
             raise ValueError(f"privacy.name={self.name!r}; accepted: {list(PRIVACY_NAMES)}")
+        if not self.nopeek_weight >= 0:
+            raise ValueError(f"privacy.nopeek_weight must be >= 0, got {self.nopeek_weight!r}")
         if self.name == "none":
             return
         if not self.clip_norm > 0:

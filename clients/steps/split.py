@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from clients.steps.base import ClientStep
+from splitlearn.attacks.dcor import distance_correlation_tensor
 from splitlearn.dataplane import TrunkChannel
 
 
@@ -29,9 +30,14 @@ class SplitStep(ClientStep):
         activations = self.release(self.run_stages(self.bottom, inputs))
         grad, loss, correct = channel.forward(activations.detach(), labels)
         optimizer.zero_grad(set_to_none=True)
-        root = get_gradient_edge(activations)
-        del activations  # sent: its memory goes now unless autograd saved it
-        torch.autograd.backward(root, grad)
+        weight = self.spec.privacy.nopeek_weight
+        if weight:  # NoPeek: also decorrelate what was sent from the inputs
+            penalty = weight * distance_correlation_tensor(inputs, activations)
+            torch.autograd.backward([activations, penalty], [grad, None])
+        else:
+            root = get_gradient_edge(activations)
+            del activations  # sent: its memory goes now unless autograd saved it
+            torch.autograd.backward(root, grad)
         optimizer.step()
         return loss, correct
 

@@ -19,8 +19,16 @@ import torch
 from torch import Tensor
 
 
-def _double_centered_distances(z: Tensor) -> Tensor:
-    d = torch.cdist(z, z)
+def _distances(z: Tensor, smooth: float) -> Tensor:
+    if not smooth:
+        return torch.cdist(z, z)
+    # From differences, not |a|^2 + |b|^2 - 2ab: its rounding makes equal rows a few ulps
+    # apart, and a constant sample then looks correlated, with an enormous gradient.
+    # cdist's backward is 0 where two rows coincide.
+    return torch.cdist(z, z, compute_mode="donot_use_mm_for_euclid_dist")
+
+
+def _double_centered(d: Tensor) -> Tensor:
     return d - d.mean(dim=0, keepdim=True) - d.mean(dim=1, keepdim=True) + d.mean()
 
 
@@ -37,16 +45,27 @@ def distance_correlation(x: Tensor, y: Tensor) -> float:
     float
         In [0, 1]; 0 when either sample is constant.
     """
+    with torch.no_grad():
+        return float(distance_correlation_tensor(x.double(), y.double(), smooth=0.0))
+
+
+def distance_correlation_tensor(x: Tensor, y: Tensor, *, smooth: float = 1e-12) -> Tensor:
+    """:func:`distance_correlation` as a differentiable scalar, in ``x``'s and ``y``'s dtype.
+
+    What NoPeek (Vepakomma et al., 2020) adds to the device's loss. With
+    ``smooth`` > 0 the last square root is taken of its argument plus
+    ``smooth``, so that the gradient stays finite where the statistic is 0, and
+    distances come from row differences; ``smooth=0`` is the exact statistic.
+    """
     if len(x) != len(y) or len(x) < 2:
         raise ValueError(f"need two samples of equal size >= 2, got {len(x)} and {len(y)}")
-    a = _double_centered_distances(x.reshape(len(x), -1).double())
-    b = _double_centered_distances(y.reshape(len(y), -1).double())
+    a = _double_centered(_distances(x.reshape(len(x), -1), smooth))
+    b = _double_centered(_distances(y.reshape(len(y), -1), smooth))
     dcov2_xy = (a * b).mean()
-    dvar2_x, dvar2_y = (a * a).mean(), (b * b).mean()
-    if dvar2_x <= 0 or dvar2_y <= 0:
-        return 0.0
-    dcor2 = dcov2_xy / torch.sqrt(dvar2_x * dvar2_y)
-    return float(dcor2.clamp(min=0.0).sqrt())
+    dvar2 = (a * a).mean() * (b * b).mean()
+    if not dvar2 > 0:
+        return dcov2_xy * 0.0  # a constant sample: independent, and still in the graph
+    return (dcov2_xy / dvar2.sqrt()).clamp(min=0.0).add(smooth).sqrt()
 
 
 def _u_centered_distances(z: Tensor) -> Tensor:

@@ -225,3 +225,21 @@ def test_inversion_reconstructs_through_an_invertible_release_and_fails_through_
     assert good.ssim > 0.8 and good.mse < 0.05
     assert bad.ssim < good.ssim - 0.4 and bad.mse > 4 * good.mse
     assert good.reconstructions.shape == targets.shape
+
+
+def test_the_differentiable_dcor_is_the_statistic_and_its_gradient_lowers_it():
+    from splitlearn.attacks.dcor import distance_correlation_tensor
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(32, 6, generator=g)
+    y = (x @ torch.randn(6, 4, generator=g) + 0.1 * torch.randn(32, 4, generator=g))
+    y.requires_grad_(True)
+    value = distance_correlation_tensor(x, y)
+    assert value.item() == pytest.approx(distance_correlation(x, y.detach()), abs=1e-5)
+    value.backward()
+    assert torch.isfinite(y.grad).all()  # coinciding rows (the diagonal) included
+    lower = distance_correlation(x, (y - 0.5 * y.grad / y.grad.norm()).detach())
+    assert lower < value.item()
+    constant = torch.ones(32, 4, requires_grad=True)
+    distance_correlation_tensor(x, constant).backward()
+    assert float(constant.grad.abs().sum()) == 0.0

@@ -277,6 +277,15 @@ def test_privacy_settings_are_checked_when_the_config_becomes_objects():
     with pytest.raises(ValueError, match="privacy.name"):
         PrivacyConfig(name="laplace")
     assert PrivacyConfig(name="none", noise_multiplier=0.0).accounted is False
+    with pytest.raises(ValueError, match="privacy.nopeek_weight must be >= 0"):
+        PrivacyConfig(nopeek_weight=-1.0)
+
+
+@pytest.mark.parametrize("strategy", ["ushaped", "local_loss", "fedavg"])
+def test_nopeek_is_refused_where_the_device_side_is_not_the_split_bottom(strategy):
+    cfg = composed(f"strategy={strategy}", "privacy.nopeek_weight=1.0")
+    with pytest.raises(ValueError, match=f"privacy.nopeek_weight=1.0 .* strategy={strategy}"):
+        check_config(cfg)
 
 
 def test_trunk_tls_reaches_the_run_spec_with_its_ca(tmp_path):
