@@ -37,6 +37,11 @@ ARRAY_HEADER_BYTES = 128
 UINT16_ROW_LIMIT = 1 << 16
 
 
+def kept_per_row(row_length: int, fraction: float) -> int:
+    """Entries top-k keeps of a row: ``ceil(fraction * row_length)``, at least 1."""
+    return max(1, min(row_length, math.ceil(fraction * row_length)))
+
+
 def encoded_row_bytes(entries: int, method: str = "none", *, topk_fraction: float = 0.1,
                       zero_fraction: float = 0.0) -> int:
     """Bytes one example's float tensor of ``entries`` values takes on the wire.
@@ -55,8 +60,8 @@ def encoded_row_bytes(entries: int, method: str = "none", *, topk_fraction: floa
         masked = math.ceil(entries / 8) + math.ceil((1 - zero_fraction) * entries)
         return min(entries, masked) + 4
     if method == "topk":
-        kept = max(1, min(entries, math.ceil(topk_fraction * entries)))
-        return kept * (2 + (2 if entries <= UINT16_ROW_LIMIT else 4))
+        return kept_per_row(entries, topk_fraction) * (2 + (2 if entries <= UINT16_ROW_LIMIT
+                                                              else 4))
     raise ValueError(f"unknown compression {method!r}")
 
 

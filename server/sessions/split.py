@@ -211,10 +211,10 @@ class SplitSession:
         if kind == "evaluate":
             return build(pb.Reply, metrics=evaluate_batch(trunk, cut, acts, labels))
         result = self.train(session, trunk, acts, labels)
-        return build(pb.Reply, gradient=build(
-            pb.Gradient, grad=self._encode(result.grad), loss=float(result.losses.mean()),
-            correct=int(result.hits.sum()),
-        ))
+        return build(pb.Reply, gradient={
+            "grad": self._encode(result.grad), "loss": float(result.losses.mean()),
+            "correct": int(result.hits.sum()),
+        })
 
     def train(self, session: Session, trunk: Trunk, acts: Tensor, labels: Tensor) -> StepResult:
         """Step ``trunk`` on one batch (the hook a batching protocol overrides)."""

@@ -111,7 +111,7 @@ class UShapedSession:
                              f"below the tail cut {self.tail_cut}")
         if kind == "backward":
             grad = self._step(session, request.backward)
-            return build(pb.Reply, gradient=build(pb.Gradient, grad=self._encode(grad)))
+            return build(pb.Reply, gradient={"grad": self._encode(grad)})
         if kind not in ("forward", "evaluate"):
             raise FrameError(Reason.UNEXPECTED_KIND, f"U-shaped sessions send 'forward', "
                              f"'backward' or 'evaluate', not {kind!r}")
@@ -127,10 +127,10 @@ class UShapedSession:
         if kind == "evaluate":
             with torch.no_grad(), self.trunk.forward_only(train=False):
                 features = self.trunk.run(acts, cut, self.tail_cut)
-            return build(pb.Reply, features=build(pb.Features, features=self._encode(features)))
+            return build(pb.Reply, features={"features": self._encode(features)})
         features, replaced = self._forward(session, cut, acts)
-        return build(pb.Reply, features=build(
-            pb.Features, features=self._encode(features), replaced_pending=replaced))
+        return build(pb.Reply, features={"features": self._encode(features),
+                                         "replaced_pending": replaced})
 
     def _forward(self, session: Session, cut: int, activations: Tensor) -> tuple[Tensor, bool]:
         acts = activations.detach().requires_grad_(True)

@@ -305,34 +305,32 @@ class TrunkChannel:
         self, activations: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, float, int]:
         """Train on one batch; return the gradient at the cut, the mean loss and hits."""
-        reply = self._call("gradient", forward=build(
-            pb.Forward, activations=self._encode(activations), labels=encode_tensor(labels)))
+        reply = self._call("gradient", forward={
+            "activations": self._encode(activations), "labels": encode_tensor(labels)})
         grad = self._tensor(reply.gradient.grad, "grad")
         return grad, reply.gradient.loss, int(reply.gradient.correct)
 
     def evaluate(self, activations: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
         """Mean loss and hits of one batch, without an update."""
-        reply = self._call("metrics", evaluate=build(
-            pb.Evaluate, activations=self._encode(activations), labels=encode_tensor(labels)))
+        reply = self._call("metrics", evaluate={
+            "activations": self._encode(activations), "labels": encode_tensor(labels)})
         return reply.metrics.loss, int(reply.metrics.correct)
 
     # --- U-shaped: labels stay on the device ----------------------------------------
 
     def forward_features(self, activations: torch.Tensor) -> torch.Tensor:
         """Send activations (no labels); return the trunk's features (it keeps the graph)."""
-        reply = self._call("features",
-                           forward=build(pb.Forward, activations=self._encode(activations)))
+        reply = self._call("features", forward={"activations": self._encode(activations)})
         return self._tensor(reply.features.features, "features")
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor:
         """Send d loss / d features of the pending batch; return the gradient at the cut."""
-        reply = self._call("gradient", backward=build(pb.Backward, grad=self._encode(grad)))
+        reply = self._call("gradient", backward={"grad": self._encode(grad)})
         return self._tensor(reply.gradient.grad, "grad")
 
     def evaluate_features(self, activations: torch.Tensor) -> torch.Tensor:
         """Return the trunk's features for one batch, without a graph or an update."""
-        reply = self._call("features",
-                           evaluate=build(pb.Evaluate, activations=self._encode(activations)))
+        reply = self._call("features", evaluate={"activations": self._encode(activations)})
         return self._tensor(reply.features.features, "features")
 
     # --- local loss: one way ---------------------------------------------------------
@@ -341,8 +339,8 @@ class TrunkChannel:
         """Send one batch of smashed data without waiting, unless ``window`` are unacked."""
         while self._in_flight >= self.window:
             self._collect_ack()
-        self._send(smashed=build(
-            pb.Smashed, activations=self._encode(activations), labels=encode_tensor(labels)))
+        self._send(smashed={
+            "activations": self._encode(activations), "labels": encode_tensor(labels)})
         self._in_flight += 1
 
     def flush(self) -> None:

@@ -44,6 +44,9 @@ DTYPES: dict[int, torch.dtype] = {
 }
 #: What a dense tensor may be sent as (int8 only comes from quantisation).
 _WIRE_DTYPES = {v: k for k, v in DTYPES.items() if k != pb.INT8}
+#: NumPy's counterparts of the wire dtypes that NumPy has (bfloat16 travels as int16).
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16,
+                 torch.int64: np.int64, torch.int8: np.int8}
 #: More dimensions than any activation here needs; bounds the work a header can ask for.
 MAX_DIMS = 8
 
@@ -70,18 +73,26 @@ class FrameError(ValueError):
 
 
 def build(cls: type[_M], **fields: object) -> _M:
-    """Build a proto message; message-typed fields are copied in with ``CopyFrom``.
+    """Build a proto message: a dict fills a nested message in place, a message is copied in.
 
     The generated constructor takes nested messages too, but copies them about
-    20x slower: for an 8 MiB activation batch, 10.7 ms against 0.5 ms.
+    20x slower (an 8 MiB activation batch: 10.7 ms against 0.5 ms for
+    ``CopyFrom``); a dict of a nested message's fields copies its tensors once,
+    not once per level.
     """
     message = cls()
+    _fill(message, fields)
+    return message
+
+
+def _fill(message: _Message, fields: dict[str, object]) -> None:
     for name, value in fields.items():
-        if isinstance(value, _Message):
+        if isinstance(value, dict):
+            _fill(getattr(message, name), value)
+        elif isinstance(value, _Message):
             getattr(message, name).CopyFrom(value)
         else:
             setattr(message, name, value)
-    return message
 
 
 def encode_tensor(tensor: torch.Tensor, method: str = "none", *, topk_fraction: float = 0.1
@@ -168,14 +179,14 @@ def decode_tensor(msg: pb.Tensor, *, name: str, max_bytes: int) -> torch.Tensor:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _values(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if dtype == torch.bfloat16:
         array = np.frombuffer(data, dtype=np.int16).copy().reshape(shape)
         return torch.from_numpy(array).view(torch.bfloat16)
-    np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+    np_dtype = _NUMPY_DTYPES[dtype]
     # copy(): the tensor owns writable memory (autograd leaves need it).
     return torch.from_numpy(np.frombuffer(data, dtype=np_dtype).copy().reshape(shape))
 

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from splitlearn.communication import kept_per_row
+
 #: The int8 range used: symmetric, so that zero is exact and -x encodes as -q.
 INT8_LEVELS = 127
 #: The largest magnitude float16 holds; float16 encoding saturates beyond it.
@@ -84,11 +86,6 @@ def unpack_mask(mask: bytes, rows: int, row_length: int) -> np.ndarray:
 def dequantize_rows(q: Tensor, scales: Tensor) -> Tensor:
     """Invert :func:`quantize_rows` (up to its rounding): float32 shaped like ``q``."""
     return (as_rows(q).float() * scales[:, None]).reshape(q.shape)
-
-
-def kept_per_row(row_length: int, fraction: float) -> int:
-    """Entries top-k keeps of a row: ``ceil(fraction * row_length)``, at least 1."""
-    return max(1, min(row_length, math.ceil(fraction * row_length)))
 
 
 def top_k_rows(tensor: Tensor, fraction: float) -> tuple[Tensor, Tensor]:

@@ -9,11 +9,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from splitlearn.communication import kept_per_row
 from splitlearn.config import CompressionConfig
 from splitlearn.dataplane import FrameError
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor, encode_tensor, encoder
-from splitlearn.dataplane.compression import kept_per_row
 
 MAX = 1 << 22
 METHODS = ("none", "float16", "bfloat16", "int8", "topk")
