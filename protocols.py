@@ -152,6 +152,7 @@ def check_config(cfg: DictConfig) -> None:
             f"privacy=activation_gaussian protects activations; strategy={protocol.name} sends none"
         )
     check_privacy_source(config, model)
+    check_trunk_workers(config)
     build_fleet(num_clients=config.num_clients, mix=config.devices.mix,
                 profiles={k: vars(v) for k, v in config.devices.profiles.items()},
                 seed=config.seed)
@@ -160,6 +161,26 @@ def check_config(cfg: DictConfig) -> None:
             f"strategy.min_train_nodes={config.strategy.min_train_nodes} exceeds "
             f"num_clients={config.num_clients}: no round could start"
         )
+
+
+def check_trunk_workers(config: Config) -> None:
+    """Refuse ``dataplane.trunk_workers`` > 1 where it is not built (ValueError).
+
+    Only SplitFed v2's shared trunk is sharded (the other protocols either keep a
+    copy per client already or hold state across a round that one process must
+    see), and the adaptive planners model one trunk that serialises every step.
+    """
+    workers = config.dataplane.trunk_workers
+    if workers == 1:
+        return
+    if config.strategy.name != "splitfed_v2":
+        raise ValueError(f"dataplane.trunk_workers={workers} shards SplitFed v2's shared trunk; "
+                         f"strategy={config.strategy.name} runs its trunk in one process "
+                         "(use dataplane.trunk_workers=1)")
+    if config.planner.adaptive:
+        raise ValueError(f"dataplane.trunk_workers={workers} with planner={config.planner.name}: "
+                         "the planners model one trunk that serialises every step; use "
+                         "planner=uniform or dataplane.trunk_workers=1")
 
 
 def check_privacy_source(config: Config, model: SplittableModel) -> None:

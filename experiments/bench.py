@@ -6,14 +6,12 @@
     process tree (Ray workers included), sampled from /proc every 0.2 s.
 
 ``overhead``
-    Samples/s of a protocol (``strategy=``, SplitFed v2 by default) through the
-    real stack (Flower Simulation Engine, ClientApps in Ray actors, gRPC data
-    plane) divided by samples/s of the same apps run in this process
-    (:mod:`experiments.local`: the same strategy, ClientApp and trunk, clients in
-    threads, the in-process channel). Defaults: the ResNet-style network on digits
-    resized to 32x32, 4 clients, 5 rounds. Round 1 pays for engine start-up, so
-    throughput is steady state (rounds 2+) and start-up is reported apart. The
-    last line printed is the ratio.
+    SplitFed v2's samples/s through the real stack (Flower Simulation Engine,
+    ClientApps in Ray actors, gRPC data plane) as a fraction of the same network
+    trained centrally, data-parallel on every core, for ``--clients`` and
+    ``--workers`` (``dataplane.trunk_workers``); steady state (rounds 2+). The
+    last line is JSON with ``fraction_of_central``; see
+    :mod:`experiments.overhead_bench`.
 
 ``clock``
     Per-client wall time of emulated devices (``devices.emulate=true``) against
@@ -74,66 +72,16 @@ from pathlib import Path
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 import torch  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
 
 from protocols import compose_config  # noqa: E402
 
-OVERHEAD_DEFAULTS = (
-    "model=resnet",
-    "dataset.image_size=32",
-    "num_clients=4",
-    "strategy.num_rounds=5",
-    "strategy.local_epochs=1",
-    "logger=none",
-)
 
+def bench_overhead_suite(overrides: Sequence[str], *, clients: Sequence[int],
+                         workers: Sequence[int]) -> None:
+    """SplitFed through the real stack vs central training (:mod:`experiments.overhead_bench`)."""
+    from experiments.overhead_bench import bench_overhead
 
-def steady_samples_per_s(rounds: Sequence[dict]) -> float:
-    """Training samples per second over rounds 2+ (round 1 includes start-up)."""
-    steady = [r for r in rounds if r.get("round", 0) >= 2 and "round_train_s" in r]
-    if not steady:
-        raise ValueError("need at least 2 training rounds to measure steady state")
-    return sum(r["examples"] for r in steady) / sum(r["round_train_s"] for r in steady)
-
-
-def run_flower(cfg: DictConfig) -> list[dict]:
-    """Run through the Simulation Engine and gRPC; return per-round metrics."""
-    from experiments.run import launch_simulation
-
-    with tempfile.TemporaryDirectory(prefix="bench-") as run_dir:
-        cfg.run_dir = run_dir
-        launch_simulation(cfg)
-        return json.loads((Path(run_dir) / "metrics.json").read_text())
-
-
-def run_limit(cfg: DictConfig) -> list[dict]:
-    """Run the same rounds in this process, one client thread per core."""
-    from experiments.local import run_local
-
-    # As in the Simulation Engine: one client per core, each with the configured
-    # intra-op threads.
-    torch.set_num_threads(cfg.engine.torch_threads)
-    return run_local(cfg, concurrency=os.cpu_count() or 1).history
-
-
-def bench_overhead(overrides: Sequence[str]) -> float:
-    """Print both throughputs and return their ratio (Flower / in-process)."""
-    cfg = compose_config([*OVERHEAD_DEFAULTS, *overrides])
-    started = time.perf_counter()
-    flower = run_flower(cfg.copy())
-    flower_total = time.perf_counter() - started
-    limit = run_limit(cfg.copy())
-    flower_sps, limit_sps = steady_samples_per_s(flower), steady_samples_per_s(limit)
-    first = next(r for r in flower if r["round"] == 1)
-    print(f"model={cfg.model.name} cut={cfg.model.cut} image_size={cfg.dataset.image_size} "
-          f"clients={cfg.num_clients} rounds={cfg.strategy.num_rounds}")
-    print(f"flower+grpc : {flower_sps:8.1f} samples/s steady; round 1 (with start-up) "
-          f"{first['round_train_s']:.1f}s; whole run {flower_total:.1f}s")
-    print(f"in-process  : {limit_sps:8.1f} samples/s steady")
-    ratio = flower_sps / limit_sps
-    print(f"overhead ratio (flower+grpc / in-process): {ratio:.3f}")
-    print(f"{ratio:.3f}")
-    return ratio
+    bench_overhead(overrides, clients=clients, workers=workers)
 
 
 def _rss_bytes(pid: int) -> int:
@@ -314,7 +262,9 @@ def bench_tls(overrides: Sequence[str], *, batches: int = 200) -> float:
     import statistics
 
     from experiments.certificates import make_certificates
-    from server.app import build_trunk, trunk_credentials
+    from server.app import build_trunk
+    from server.workers import server_credentials
+    from splitlearn.config import to_object
     from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkService
     from splitlearn.split import split
 
@@ -331,7 +281,8 @@ def bench_tls(overrides: Sequence[str], *, batches: int = 200) -> float:
             for mode, extra in (("plain", []), ("tls", tls)):
                 cfg = compose_config([*payload, *extra, *overrides])
                 trunk, _, tokens, endpoint = build_trunk(cfg)
-                service = TrunkService(endpoint, server_credentials=trunk_credentials(cfg))
+                credentials = server_credentials(to_object(cfg.dataplane))
+                service = TrunkService(endpoint, server_credentials=credentials)
                 service.start()
                 services.append(service)
                 token = tokens.issue(client="bench", protocol=cfg.strategy.name, cut=1,
@@ -462,7 +413,7 @@ def bench_communication_suite(overrides: Sequence[str]) -> None:
     bench_communication(overrides)
 
 
-BENCHMARKS = {"overhead": bench_overhead, "rounds": bench_rounds_suite,
+BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
               "compression": bench_compression_suite, "communication": bench_communication_suite,
               "latency": bench_latency_suite, "scale": bench_scale,
               "clock": bench_clock, "memory": bench_memory, "planner": bench_planner_suite,
@@ -476,6 +427,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides")
     parser.add_argument("--seeds", type=int, default=3, help="planner, compression: seeds")
     parser.add_argument("--repeats", type=int, default=3, help="rounds: runs of the job")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16],
+                        help="overhead: numbers of clients")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
+                        help="overhead: numbers of trunk workers")
     parser.add_argument("--target", type=float, default=0.9, help="planner: test accuracy")
     parser.add_argument("--scenarios", nargs="+", choices=("heterogeneous", "dynamic"),
                         help="planner: only these scenarios")
@@ -488,6 +443,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                             scenarios=args.scenarios, methods=args.methods)
     elif args.name == "compression":
         bench_compression_suite(args.overrides, seeds=args.seeds)
+    elif args.name == "overhead":
+        bench_overhead_suite(args.overrides, clients=args.clients, workers=args.workers)
     elif args.name == "rounds":
         bench_rounds_suite(args.overrides, repeats=args.repeats)
     else:

@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Context, MetricRecord
@@ -40,10 +39,10 @@ from server.checkpoint import (
     save_checkpoint,
 )
 from server.trunk import Trunk
+from server.workers import TrunkRecipe, TrunkWorkers, server_credentials
 from splitlearn.aux_head import without_aux
 from splitlearn.calibration import cut_costs, measure_host_flops_per_s
 from splitlearn.config import (
-    DataPlaneConfig,
     PlannerConfig,
     RunSpec,
     run_spec,
@@ -54,7 +53,7 @@ from splitlearn.data import held_out_dataset
 from splitlearn.dataplane import TokenRegistry, TrunkEndpoint, TrunkService
 from splitlearn.evaluation import evaluate_model
 from splitlearn.models import SplittableModel
-from splitlearn.models.factory import build_model_from_config, source_module
+from splitlearn.models.factory import source_module
 from splitlearn.planning.clock import VirtualClock, round_time
 from splitlearn.planning.cost import with_compression
 from splitlearn.planning.devices import DeviceProfile, build_fleet
@@ -88,19 +87,20 @@ class SplitRuntime:
     fleet: list[DeviceProfile] | None  # profile per partition id; None: no emulation
     planning: CutPlanning | None  # per-client cuts; None: every client at model.cut
     resumed: RunCheckpoint | None = None  # resume=true: the run's last checkpoint
+    workers: TrunkWorkers | None = None  # dataplane.trunk_workers > 1: the trunk's processes
+
+
+def trunk_recipe(cfg: DictConfig) -> TrunkRecipe:
+    """Return what builds the run's trunk (in this process, and in each trunk worker)."""
+    return TrunkRecipe(
+        protocol=cfg.strategy.name, model=to_object(cfg.model), dataset=to_object(cfg.dataset),
+        seed=cfg.seed, options=to_object(cfg.strategy), limits=to_object(cfg.dataplane),
+    )
 
 
 def build_trunk(cfg: DictConfig) -> tuple[Trunk, Any, TokenRegistry, TrunkEndpoint]:
     """Build the seeded model's trunk, the protocol's session handler and the endpoint."""
-    protocol = protocol_named(cfg.strategy.name)
-    model = build_model_from_config(to_object(cfg.model), to_object(cfg.dataset), seed=cfg.seed)
-    s = cfg.strategy
-    trunk = Trunk(model, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
-    limits: DataPlaneConfig = to_object(cfg.dataplane)
-    handler = protocol.trunk(trunk, to_object(s), limits) if protocol.trunk else None
-    tokens = TokenRegistry()
-    handlers = {protocol.name: handler} if handler is not None else {}
-    return trunk, handler, tokens, TrunkEndpoint(handlers, tokens, limits=limits)
+    return trunk_recipe(cfg).build()
 
 
 def start_runtime(cfg: DictConfig) -> SplitRuntime:
@@ -112,12 +112,16 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
     torch.set_num_threads(cfg.dataplane.trunk_threads)
     protocol = protocol_named(cfg.strategy.name)
     trunk, handler, tokens, endpoint = build_trunk(cfg)
-    service = None
-    if handler is not None:
+    service = workers = None
+    if handler is not None and cfg.dataplane.trunk_workers > 1:
+        workers = TrunkWorkers(trunk, tokens, trunk_recipe(cfg),
+                               workers=cfg.dataplane.trunk_workers)
+        handler = workers  # the strategy settles rounds with the workers, not a local handler
+    elif handler is not None:
         service = TrunkService(
             endpoint, host=cfg.dataplane.host, port=cfg.dataplane.port,
             advertise_host=cfg.dataplane.advertise_host, max_streams=cfg.dataplane.max_streams,
-            server_credentials=trunk_credentials(cfg),
+            server_credentials=server_credentials(to_object(cfg.dataplane)),
         )
         service.start()
     sinks = make_sinks(
@@ -144,18 +148,8 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
     planning = make_planning(cfg, trunk, host_flops_per_s=spec.devices.host_flops_per_s or 0.0)
     return SplitRuntime(
         cfg, protocol, spec, run_dir, trunk, handler, tokens, endpoint, service, sinks, fleet,
-        planning, resumed,
+        planning, resumed, workers,
     )
-
-
-def trunk_credentials(cfg: DictConfig) -> grpc.ServerCredentials | None:
-    """TLS credentials of the trunk service from ``dataplane.ssl_*``, or None (plaintext)."""
-    dataplane = cfg.dataplane
-    if dataplane.ssl_certfile is None:
-        return None
-    key = Path(dataplane.ssl_keyfile).read_bytes()
-    chain = Path(dataplane.ssl_certfile).read_bytes()
-    return grpc.ssl_server_credentials([(key, chain)])
 
 
 def make_planning(cfg: DictConfig, trunk: Trunk, *, host_flops_per_s: float
@@ -223,6 +217,8 @@ def stop_runtime(runtime: SplitRuntime) -> None:
     """Stop the trunk service and close the sinks (writes plots)."""
     if runtime.service is not None:
         runtime.service.stop()
+    if runtime.workers is not None:
+        runtime.workers.stop()
     runtime.sinks.close()
 
 
@@ -242,18 +238,22 @@ def make_strategy(runtime: SplitRuntime, reporter: RoundReporter) -> Strategy:
         "min_available_nodes": s.min_train_nodes,
     }
     if runtime.trunk_side is not None:
-        assert runtime.service is not None
-        kwargs |= {
-            "dataplane": DataPlaneAccess(
-                runtime.tokens, runtime.service.address, cfg.dataplane.token_ttl_s
-            ),
-            "trunk": runtime.trunk_side,
-        }
+        kwargs |= {"dataplane": dataplane_access(runtime), "trunk": runtime.trunk_side}
     if runtime.planning is not None:
         kwargs["planning"] = runtime.planning
     strategy = protocol.strategy(**kwargs)
     # Privacy wraps the protocol, as Flower's DP wrappers do.
     return PrivacyBudgetGuard(strategy) if runtime.spec.privacy.accounted else strategy
+
+
+def dataplane_access(runtime: SplitRuntime) -> DataPlaneAccess:
+    """How the strategy grants sessions: on the trunk service, or dealt to the trunk workers."""
+    ttl_s = runtime.cfg.dataplane.token_ttl_s
+    if runtime.workers is not None:
+        return DataPlaneAccess(runtime.tokens, runtime.workers.addresses[0], ttl_s,
+                               route=runtime.workers.route)
+    assert runtime.service is not None
+    return DataPlaneAccess(runtime.tokens, runtime.service.address, ttl_s)
 
 
 def initial_arrays(runtime: SplitRuntime) -> ArrayRecord:
@@ -435,8 +435,9 @@ def run_training(grid: Grid, runtime: SplitRuntime) -> TrainingResult:
     final = joined_model(runtime, result.arrays if result.arrays is not None else initial)
     # The user's own module's state dict (the zoo network's for zoo models).
     torch.save(source_module(final).state_dict(), runtime.run_dir / "model.pt")
-    if runtime.endpoint.refusals:
-        log.warning("data plane refused frames: %s", dict(runtime.endpoint.refusals))
+    refusals = runtime.workers.refusals() if runtime.workers else runtime.endpoint.refusals
+    if refusals:
+        log.warning("data plane refused frames: %s", dict(refusals))
     return TrainingResult(reporter.history, final)
 
 

@@ -159,6 +159,36 @@ class Trunk:
                 for param in self.model.stages[index].parameters():
                     self.optimizer.state.pop(param, None)
 
+    def momentum_state(self) -> dict[str, Tensor]:
+        """Return a copy of each parameter's momentum, keyed like :meth:`stage_state`.
+
+        Parameters the optimiser has not stepped (or without momentum) are left out.
+        """
+        with self._lock:
+            return {name: state["momentum_buffer"].clone()
+                    for name, param in self.model.stages.named_parameters()
+                    if (state := self.optimizer.state.get(param))
+                    and state.get("momentum_buffer") is not None}
+
+    def load_momentum(self, momentum: Mapping[str, Tensor]) -> None:
+        """Replace each parameter's momentum by ``momentum``'s (those it lacks start afresh)."""
+        with self._lock:
+            for name, param in self.model.stages.named_parameters():
+                if name in momentum:
+                    self.optimizer.state[param] = {"momentum_buffer": momentum[name].clone()}
+                else:
+                    self.optimizer.state.pop(param, None)
+
+    def take_books(self) -> dict[str, Any]:
+        """Return steps, samples, busy seconds and samples per stage, and start counting again."""
+        with self._lock:
+            books = {"steps": self.steps, "samples": self.samples, "busy_s": self.busy_s,
+                     "stage_samples": self.stage_samples}
+            self.steps = self.samples = 0
+            self.busy_s = 0.0
+            self.stage_samples = [0] * len(self.stage_samples)
+            return books
+
     def take_stage_samples(self) -> list[int]:
         """Return the samples per stage since the last call, and start counting again."""
         with self._lock:

@@ -123,6 +123,9 @@ class DataPlaneConfig:
     reply_timeout_s: float = 600.0  # a client gives up on a reply after this long
     token_ttl_s: float = 3600.0  # a round's tokens also die when the round ends
     trunk_threads: int = 1  # intra-op threads of the trunk's process (see engine)
+    # SplitFed v2's trunk in this many processes, clients dealt to them in turn and the
+    # copies merged every round (1: the trunk steps in the ServerApp's process).
+    trunk_workers: int = 1
     # TLS on the trunk service (PEM files; the same ones the SuperLink takes). Devices
     # verify the trunk against ssl_ca_certfile, sent in the task over the Flower link,
     # or against their own roots (node config trunk-root-certificates).
@@ -132,6 +135,8 @@ class DataPlaneConfig:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
 
     def __post_init__(self) -> None:
+        if self.trunk_workers < 1:
+            raise ValueError(f"dataplane.trunk_workers={self.trunk_workers}: need at least 1")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("dataplane.ssl_certfile and dataplane.ssl_keyfile go together "
                              f"(got {self.ssl_certfile!r} and {self.ssl_keyfile!r})")

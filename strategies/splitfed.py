@@ -10,7 +10,7 @@ that finished (SplitFed v1 merges their trunk copies; local loss drains its queu
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,11 +36,19 @@ class DataPlaneAccess:
         ``host:port`` clients dial.
     ttl_s : float
         Longest a token lives (it also dies with its round).
+    route : Callable[[str], str], optional
+        Token -> the address of the trunk that serves it, when several do (trunk
+        workers); without it every client dials ``address``.
     """
 
     tokens: TokenRegistry
     address: str
     ttl_s: float
+    route: Callable[[str], str] | None = None
+
+    def address_for(self, token: str) -> str:
+        """Return the address the holder of ``token`` dials."""
+        return self.route(token) if self.route is not None else self.address
 
 
 class TrunkSide(Protocol):
@@ -166,7 +174,7 @@ class SplitFed(ReportingFedAvg):
             client=str(node), protocol=self.protocol, cut=record["cut"],
             server_round=server_round, ttl_s=self.dataplane.ttl_s,
         )
-        return record | {"trunk_address": self.dataplane.address, "token": token}
+        return record | {"trunk_address": self.dataplane.address_for(token), "token": token}
 
     def finish_round(self, server_round: int, finished: list[Message]) -> None:
         """Close the round's sessions, then let the trunk settle the finished clients."""

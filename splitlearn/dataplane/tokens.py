@@ -52,6 +52,11 @@ class TokenRegistry:
             self._grants[token] = grant
         return token
 
+    def adopt(self, token: str, grant: SessionGrant) -> None:
+        """Accept ``token`` as another registry issued it (a trunk worker's copy of a grant)."""
+        with self._lock:
+            self._grants[token] = grant
+
     def lookup(self, token: str | None) -> SessionGrant | None:
         """Return the grant of a valid token, or None if unknown, expired or revoked."""
         with self._lock:
@@ -64,11 +69,16 @@ class TokenRegistry:
         """Invalidate every token of ``server_round`` and older; tell the listeners."""
         with self._lock:
             revoked = [t for t, g in self._grants.items() if g.server_round <= server_round]
-            for token in revoked:
-                del self._grants[token]
+        self.revoke(revoked)
+
+    def revoke(self, tokens: list[str]) -> None:
+        """Invalidate ``tokens`` (unknown ones are ignored); tell the listeners."""
+        with self._lock:
+            for token in tokens:
+                self._grants.pop(token, None)
             listeners = list(self._revoke_listeners)
         for listener in listeners:
-            listener(revoked)
+            listener(tokens)
 
     def on_revoke(self, listener: Callable[[list[str]], None]) -> None:
         """Call ``listener`` with the tokens each :meth:`revoke_round` invalidates."""

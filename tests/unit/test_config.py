@@ -288,6 +288,21 @@ def test_nopeek_is_refused_where_the_device_side_is_not_the_split_bottom(strateg
         check_config(cfg)
 
 
+@pytest.mark.parametrize("strategy", ["splitfed_v1", "sequential", "ushaped", "local_loss"])
+def test_trunk_workers_are_refused_for_protocols_that_keep_one_trunk_process(strategy):
+    cfg = composed(f"strategy={strategy}", "dataplane.trunk_workers=2")
+    with pytest.raises(ValueError, match=f"dataplane.trunk_workers=2 .* strategy={strategy}"):
+        check_config(cfg)
+
+
+def test_trunk_workers_are_refused_with_an_adaptive_planner_and_below_one():
+    with pytest.raises(ValueError, match="dataplane.trunk_workers=2 with planner=greedy"):
+        check_config(composed("planner=greedy", "dataplane.trunk_workers=2"))
+    with pytest.raises(ValueError, match="dataplane.trunk_workers=0: need at least 1"):
+        check_config(composed("dataplane.trunk_workers=0"))
+    check_config(composed("dataplane.trunk_workers=2"))  # SplitFed v2, uniform cuts
+
+
 def test_trunk_tls_reaches_the_run_spec_with_its_ca(tmp_path):
     from experiments.certificates import make_certificates
 

@@ -401,3 +401,42 @@ def test_a_refused_batching_step_refuses_every_batch_in_it_and_changes_nothing()
                for o in outcomes.values()) and len(outcomes) == 2
     assert max_param_diff(trunk.model, model) == 0.0 and trunk.steps == 0
     assert handler.steps == 1  # the barrier did flush once
+
+
+# --- what trunk workers exchange: momentum and books ---------------------------------
+
+
+def test_momentum_round_trips_and_parameters_it_lacks_start_afresh():
+    model = digits_like_model()
+    trunk = Trunk(copy.deepcopy(model), lr=LR, momentum=0.9)
+    assert trunk.momentum_state() == {}  # nothing stepped yet
+    train_on_batch(trunk, CUT, *activations(model, 1))
+    momentum = trunk.momentum_state()
+    # Keyed like the stages' state; only the stages the trunk trained have momentum.
+    trained = {n for n, _ in trunk.model.stages.named_parameters() if int(n.split(".")[0]) >= CUT}
+    assert trained and set(momentum) == trained
+    other = Trunk(copy.deepcopy(model), lr=LR, momentum=0.9)
+    other.load_momentum(momentum)
+    # The same next step from the same weights and momentum gives the same weights.
+    other.load_stages(trunk.stage_state())
+    batch = activations(model, 2)
+    train_on_batch(trunk, CUT, *batch)
+    train_on_batch(other, CUT, *batch)
+    assert max_param_diff(trunk.model, other.model) == 0.0
+    dropped = {k: v for k, v in other.momentum_state().items() if not k.startswith(f"{CUT}.")}
+    other.load_momentum(dropped)
+    assert set(other.momentum_state()) == set(dropped)
+
+
+def test_take_books_returns_the_counts_since_the_last_take(fake_clock):
+    model = digits_like_model()
+    trunk = Trunk(copy.deepcopy(model), lr=LR)
+    train_on_batch(trunk, CUT, *activations(model, 1, batch=8))
+    train_on_batch(trunk, CUT, *activations(model, 2, batch=4))
+    books = trunk.take_books()
+    assert (books["steps"], books["samples"], books["busy_s"]) == (2, 12, 2.0)
+    assert books["stage_samples"][:CUT] == [0] * CUT
+    assert books["stage_samples"][CUT:] == [12] * (model.num_stages - CUT)
+    again = trunk.take_books()
+    assert (again["steps"], again["samples"], again["busy_s"]) == (0, 0, 0.0)
+    assert again["stage_samples"] == [0] * model.num_stages

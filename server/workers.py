@@ -1,0 +1,372 @@
+"""Trunk workers: SplitFed v2's shared trunk sharded over processes, merged every round.
+
+One trunk steps one batch at a time in one process, so SplitFed v2 cannot use more
+than about one core of the server however many clients train. With
+``dataplane.trunk_workers=W`` (W > 1) the ServerApp starts W worker processes, each
+serving the data plane with its own copy of the trunk and optimiser. Each round's
+clients are dealt to the workers in turn as their tokens are issued; within a
+worker the trunk is shared and steps per batch (SplitFed v2), and at round end the
+worker copies are merged stage by stage and weighted by samples, with the clients'
+copies, as SplitFed v1 merges its per-client copies (:mod:`server.sessions.merge`).
+Momentum is merged the same way, so a worker's optimiser carries on from the
+merged direction. The ServerApp's own trunk holds the merged model (evaluation,
+checkpoints, resume) and is copied to the workers before the next sessions start.
+
+With one client per worker and no momentum a round is exactly SplitFed v1's; with
+one worker it would be SplitFed v2's (that case runs in the ServerApp's process).
+
+A worker is driven over a pipe: each command is answered before the next is sent,
+and tensors travel as ``torch.save`` bytes (torch's own pickling of tensors through
+a pipe would move them through shared memory the sender must keep alive).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from torch import Tensor
+
+from server.sessions.merge import StageCopy, client_copy, client_stages, merge_stages, trunk_copy
+from server.trunk import Trunk
+from splitlearn.config import DataPlaneConfig, DatasetConfig, ModelConfig, StrategyConfig
+from splitlearn.dataplane import TokenRegistry, TrunkEndpoint, TrunkService
+from splitlearn.dataplane.tokens import SessionGrant
+
+log = logging.getLogger(__name__)
+
+#: Longest a worker may take to import, build its trunk and start serving.
+START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class TrunkRecipe:
+    """Everything needed to build a protocol's trunk and its session handler (picklable).
+
+    Parameters
+    ----------
+    protocol : str
+        Registered protocol name (``strategy.name``).
+    model, dataset : ModelConfig, DatasetConfig
+        The network and the inputs it is built for.
+    seed : int
+        Seed of the model's initial weights (every copy starts from the same).
+    options : StrategyConfig
+        The protocol's options (learning rate, momentum, batching).
+    limits : DataPlaneConfig
+        What the data plane accepts, and where it serves.
+    """
+
+    protocol: str
+    model: ModelConfig
+    dataset: DatasetConfig
+    seed: int
+    options: StrategyConfig
+    limits: DataPlaneConfig
+
+    def build(self) -> tuple[Trunk, Any, TokenRegistry, TrunkEndpoint]:
+        """Build the seeded trunk, the protocol's session handler (or None) and the endpoint."""
+        from protocols import protocol_named
+        from splitlearn.models.factory import build_model_from_config
+
+        protocol = protocol_named(self.protocol)
+        model = build_model_from_config(self.model, self.dataset, seed=self.seed)
+        s = self.options
+        trunk = Trunk(model, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+        handler = protocol.trunk(trunk, s, self.limits) if protocol.trunk else None
+        tokens = TokenRegistry()
+        handlers = {protocol.name: handler} if handler is not None else {}
+        return trunk, handler, tokens, TrunkEndpoint(handlers, tokens, limits=self.limits)
+
+
+def server_credentials(limits: DataPlaneConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials of a trunk service from ``dataplane.ssl_*``, or None (plaintext)."""
+    if limits.ssl_certfile is None:
+        return None
+    assert limits.ssl_keyfile is not None  # DataPlaneConfig checks they go together
+    key = Path(limits.ssl_keyfile).read_bytes()
+    chain = Path(limits.ssl_certfile).read_bytes()
+    return grpc.ssl_server_credentials([(key, chain)])
+
+
+def pack(value: Any) -> bytes:
+    """Serialise tensors (and what holds them) for the pipe."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def unpack(data: bytes) -> Any:
+    """Inverse of :func:`pack`."""
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class WorkerCommands:
+    """What a worker process does on the ServerApp's commands (its trunk and its tokens)."""
+
+    def __init__(self, trunk: Trunk, tokens: TokenRegistry, endpoint: TrunkEndpoint) -> None:
+        self.trunk = trunk
+        self.tokens = tokens
+        self.endpoint = endpoint
+
+    def grant(self, token: str, grant: SessionGrant) -> None:
+        """Accept a token the ServerApp issued for a client dealt to this worker."""
+        self.tokens.adopt(token, grant)
+
+    def revoke(self, tokens: list[str]) -> None:
+        """Invalidate tokens (their streams close)."""
+        self.tokens.revoke(tokens)
+
+    def pull(self) -> bytes:
+        """Return this worker's stages, momentum and books since the last pull."""
+        return pack({"stages": self.trunk.stage_state(), "momentum": self.trunk.momentum_state(),
+                     "books": self.trunk.take_books()})
+
+    def push(self, data: bytes) -> None:
+        """Replace the trunk's weights and optimiser state by the ServerApp's."""
+        state = unpack(data)
+        self.trunk.load_stages(state["stages"])
+        self.trunk.load_momentum(state["momentum"])
+
+    def refusals(self) -> dict[str, int]:
+        """Frames this worker's endpoint refused, by reason."""
+        return dict(self.endpoint.refusals)
+
+
+def serve_worker(recipe: TrunkRecipe, port: int, conn: Connection) -> None:
+    """Run a worker process: serve the data plane, answer commands until told to stop.
+
+    The first message sent is the service's address. The worker also stops when the
+    pipe closes (the ServerApp's process died), so no worker outlives its run.
+    """
+    torch.set_num_threads(recipe.limits.trunk_threads)
+    trunk, _, tokens, endpoint = recipe.build()
+    limits = recipe.limits
+    service = TrunkService(endpoint, host=limits.host, port=port,
+                           advertise_host=limits.advertise_host,
+                           max_streams=limits.max_streams,
+                           server_credentials=server_credentials(limits))
+    service.start()
+    commands = WorkerCommands(trunk, tokens, endpoint)
+    conn.send(service.address)
+    try:
+        while True:
+            try:
+                name, args = conn.recv()
+            except EOFError:
+                break
+            if name == "stop":
+                conn.send((True, None))
+                break
+            try:
+                conn.send((True, getattr(commands, name)(*args)))
+            except Exception as err:  # noqa: BLE001 - reported to the ServerApp, not lost
+                conn.send((False, f"{type(err).__name__}: {err}"))
+    finally:
+        service.stop()
+
+
+class WorkerError(RuntimeError):
+    """A trunk worker died or failed a command."""
+
+
+class TrunkWorker:
+    """The ServerApp's handle on one worker process."""
+
+    def __init__(self, index: int, process: mp.process.BaseProcess, conn: Connection) -> None:
+        self.index = index
+        self.process = process
+        self._conn = conn
+        self._lock = threading.Lock()
+        self.address = ""
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait for the worker's address (it has built its trunk and is serving)."""
+        if not self._conn.poll(timeout_s):
+            raise WorkerError(f"trunk worker {self.index} did not start within {timeout_s:.0f} s")
+        try:
+            self.address = self._conn.recv()
+        except EOFError:
+            raise WorkerError(f"trunk worker {self.index} exited while starting "
+                              f"(exit code {self.process.exitcode})") from None
+
+    def call(self, name: str, *args: Any) -> Any:
+        """Run a command in the worker and return its result (WorkerError if it failed)."""
+        with self._lock:
+            try:
+                self._conn.send((name, args))
+                ok, value = self._conn.recv()
+            except (EOFError, BrokenPipeError, ConnectionResetError) as err:
+                raise WorkerError(f"trunk worker {self.index} (pid {self.process.pid}) is gone "
+                                  f"(exit code {self.process.exitcode})") from err
+        if not ok:
+            raise WorkerError(f"trunk worker {self.index}: {name} failed: {value}")
+        return value
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the worker to stop; terminate it if it does not."""
+        if self.process.is_alive():
+            try:
+                self.call("stop")
+            except WorkerError:
+                pass
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout_s)
+        self._conn.close()
+
+
+class TrunkWorkers:
+    """SplitFed v2 over several trunk processes: the strategy's trunk side and token router.
+
+    Parameters
+    ----------
+    trunk : Trunk
+        The ServerApp's trunk: it holds the merged model between rounds and the
+        books of every worker's steps (their busy time as the slowest worker's).
+    tokens : TokenRegistry
+        The ServerApp's registry; its revocations are forwarded to the workers.
+    recipe : TrunkRecipe
+        How each worker builds its copy.
+    workers : int
+        Number of worker processes (at least 2).
+    """
+
+    def __init__(self, trunk: Trunk, tokens: TokenRegistry, recipe: TrunkRecipe, *,
+                 workers: int) -> None:
+        if workers < 2:
+            raise ValueError(f"trunk workers: need at least 2, got {workers}")
+        self.trunk = trunk
+        self.tokens = tokens
+        self._workers = self._start(recipe, workers)
+        self._deal = itertools.cycle(self._workers)
+        self._held: dict[str, TrunkWorker] = {}  # token -> the worker that holds it
+        self._held_lock = threading.Lock()
+        self._stale = True  # the workers' copies differ from the ServerApp's trunk
+        tokens.on_revoke(self._forward_revocations)
+
+    @staticmethod
+    def _start(recipe: TrunkRecipe, count: int) -> list[TrunkWorker]:
+        # spawn: a fork would copy the ServerApp's gRPC and Ray threads' locks mid-use.
+        context = mp.get_context("spawn")
+        workers = []
+        for index in range(count):
+            parent, child = context.Pipe()
+            port = recipe.limits.port + index if recipe.limits.port else 0
+            process = context.Process(target=serve_worker, args=(recipe, port, child),
+                                      name=f"trunk-worker-{index}", daemon=True)
+            process.start()
+            child.close()
+            workers.append(TrunkWorker(index, process, parent))
+        try:
+            for worker in workers:
+                worker.wait_ready(START_TIMEOUT_S)
+        except WorkerError:
+            for worker in workers:
+                worker.stop()
+            raise
+        log.info("trunk workers serving at %s (pids %s)", ", ".join(w.address for w in workers),
+                 ", ".join(str(w.process.pid) for w in workers))
+        return workers
+
+    @property
+    def addresses(self) -> list[str]:
+        """``host:port`` of each worker's trunk service."""
+        return [w.address for w in self._workers]
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers."""
+        return [w.process.pid for w in self._workers if w.process.pid is not None]
+
+    def route(self, token: str) -> str:
+        """Deal the client holding ``token`` to the next worker; return that worker's address.
+
+        The workers first receive the ServerApp's current trunk if it changed since
+        they last did (a merged round, a resumed checkpoint).
+        """
+        grant = self.tokens.lookup(token)
+        if grant is None:
+            raise ValueError("route: the token is unknown, expired or revoked")
+        self._sync()
+        worker = next(self._deal)
+        worker.call("grant", token, grant)
+        with self._held_lock:
+            self._held[token] = worker
+        return worker.address
+
+    def _sync(self) -> None:
+        if not self._stale:
+            return
+        state = pack({"stages": self.trunk.stage_state(), "momentum": self.trunk.momentum_state()})
+        for worker in self._workers:
+            worker.call("push", state)
+        self._stale = False
+
+    def _forward_revocations(self, tokens: list[str]) -> None:
+        by_worker: dict[int, list[str]] = {}
+        with self._held_lock:
+            for token in tokens:
+                if (worker := self._held.pop(token, None)) is not None:
+                    by_worker.setdefault(worker.index, []).append(token)
+        for index, held in by_worker.items():
+            self._workers[index].call("revoke", held)
+
+    def finish_round(self, finished: Iterable[str]) -> None:
+        """Nothing to settle here: the merge pulls every worker's copy."""
+
+    def merge_round(
+        self, updates: Sequence[tuple[Mapping[str, Tensor], int]], *, upto: int
+    ) -> dict[str, Tensor]:
+        """Merge the clients' copies with every worker's trunk copy, stage by stage.
+
+        The merged stages and momentum become the ServerApp's trunk (and the workers'
+        before their next sessions). Returns the clients' stages, as SplitFed v2's
+        merge does.
+        """
+        clients = [client_copy(s, n) for s, n in updates]
+        pulled = [unpack(w.call("pull")) for w in self._workers]
+        trained = [p for p in pulled if p["books"]["samples"] > 0]
+        copies = [trunk_copy(p["stages"], p["books"]["stage_samples"]) for p in trained]
+        merged = merge_stages([*clients, *copies])
+        current = self.trunk.stage_state()
+        self.trunk.load_stages(merged)
+        self.trunk.load_momentum(merge_stages([
+            StageCopy(p["momentum"], c.stage_samples) for p, c in zip(trained, copies, strict=True)
+        ]))
+        self.trunk.add_books(
+            steps=sum(p["books"]["steps"] for p in trained),
+            samples=sum(p["books"]["samples"] for p in trained),
+            # The workers step at the same time: the round waits for the slowest.
+            busy_s=max((p["books"]["busy_s"] for p in trained), default=0.0),
+        )
+        self._stale = True
+        return client_stages(merged, current, clients, upto=upto)
+
+    def refusals(self) -> Counter[str]:
+        """Frames refused by every worker, by reason."""
+        total: Counter[str] = Counter()
+        for worker in self._workers:
+            try:
+                total.update(worker.call("refusals"))
+            except WorkerError:
+                continue
+        return total
+
+    def stop(self) -> None:
+        """Stop every worker process."""
+        for worker in self._workers:
+            worker.stop()
+

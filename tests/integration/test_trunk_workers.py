@@ -1,0 +1,149 @@
+"""SplitFed v2's trunk in several processes (``dataplane.trunk_workers``) against reference maths.
+
+Directly: real worker processes serving gRPC, each client's gradient against the same
+step on a copy of the trunk, the merge against the average of those copies (weights
+and momentum), revocation reaching the workers, the merged trunk reaching them before
+the next sessions, and no process left behind. Through Flower's Simulation Engine: with
+one client per worker and no momentum, a run is SplitFed v1's (a trunk copy per client
+merged by samples), round by round.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from contextlib import closing
+
+import pytest
+import torch
+
+from server.app import build_trunk, trunk_recipe
+from server.sessions.split import train_on_batch
+from server.trunk import Trunk
+from server.workers import TrunkWorkers, WorkerError
+from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
+from tests.conftest import small_config
+from tests.integration.test_simulation import run_experiment
+
+CUT = 1
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def batch_at_cut(trunk: Trunk, seed: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations of a random digits-shaped batch at the cut, and labels."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(size, 1, 8, 8, generator=g)
+    with torch.no_grad():
+        acts = trunk.run(x, 0, CUT)
+    return acts, torch.randint(0, 10, (size,), generator=g)
+
+
+def channel(address: str, token: str) -> TrunkChannel:
+    return TrunkChannel(GrpcTransport(address, token, max_frame_bytes=1 << 22),
+                        max_frame_bytes=1 << 22, reply_timeout_s=30)
+
+
+@pytest.fixture
+def workers():
+    cfg = small_config("strategy.momentum=0.9", "dataplane.trunk_workers=2")
+    trunk, _, tokens, _ = build_trunk(cfg)
+    pool = TrunkWorkers(trunk, tokens, trunk_recipe(cfg), workers=2)
+    yield pool
+    pids = pool.pids
+    pool.stop()
+    assert not any(alive(pid) for pid in pids)
+
+
+def reference_copy(trunk: Trunk) -> Trunk:
+    hyper = trunk.hyper
+    copied = Trunk(copy.deepcopy(trunk.model), lr=hyper["lr"], momentum=hyper["momentum"])
+    copied.load_momentum(trunk.momentum_state())
+    return copied
+
+
+def test_each_worker_steps_its_clients_and_the_merge_averages_weights_and_momentum(workers):
+    trunk, tokens = workers.trunk, workers.tokens
+    issued = [tokens.issue(client=c, protocol="splitfed_v2", cut=CUT, server_round=1, ttl_s=60)
+              for c in ("a", "b", "c")]
+    addresses = [workers.route(t) for t in issued]
+    assert addresses[0] != addresses[1]  # dealt to different workers
+    references = []
+    for round_seed, (address, token) in enumerate(zip(addresses[:2], issued[:2], strict=True)):
+        ref = reference_copy(trunk)
+        with closing(channel(address, token)) as ch:
+            for step in range(3):
+                acts, labels = batch_at_cut(trunk, 10 * round_seed + step)
+                grad, _, _ = ch.forward(acts, labels)
+                expected = train_on_batch(ref, CUT, acts, labels).grad
+                torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-7)
+        references.append(ref)
+    before = trunk.stage_state()
+    clients = trunk.stage_state()
+    client_side = {k: v for k, v in clients.items() if int(k.split(".")[0]) < CUT}
+    workers.merge_round([(client_side, 24), (client_side, 24)], upto=CUT)
+    merged = trunk.stage_state()
+    for key, value in merged.items():
+        if int(key.split(".")[0]) < CUT:
+            torch.testing.assert_close(value, before[key])  # the clients' (equal) copies
+        else:
+            mean = (references[0].stage_state()[key] + references[1].stage_state()[key]) / 2
+            torch.testing.assert_close(value, mean, rtol=1e-6, atol=1e-7)
+    momentum = trunk.momentum_state()
+    assert momentum and set(momentum) == set(references[0].momentum_state())
+    for key, value in momentum.items():
+        mean = (references[0].momentum_state()[key] + references[1].momentum_state()[key]) / 2
+        torch.testing.assert_close(value, mean, rtol=1e-6, atol=1e-7)
+    assert (trunk.steps, trunk.samples) == (6, 48)
+
+    # The round's end reaches the workers: a token of the round never used is refused there.
+    tokens.revoke_round(1)
+    with (closing(channel(addresses[2], issued[2])) as ch,
+          pytest.raises(TrunkRejected, match="token rejected")):
+        ch.forward(*batch_at_cut(trunk, 99))
+
+    # The next sessions train the merged trunk (and its merged momentum) in every worker.
+    nxt = tokens.issue(client="a", protocol="splitfed_v2", cut=CUT, server_round=2, ttl_s=60)
+    ref = reference_copy(trunk)
+    with closing(channel(workers.route(nxt), nxt)) as ch:
+        acts, labels = batch_at_cut(trunk, 7)
+        grad, _, _ = ch.forward(acts, labels)
+    torch.testing.assert_close(grad, train_on_batch(ref, CUT, acts, labels).grad,
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_a_worker_that_dies_is_reported_with_its_pid(workers):
+    victim = workers._workers[1]
+    victim.process.kill()
+    victim.process.join(10)
+    with pytest.raises(WorkerError, match=rf"trunk worker 1 \(pid {victim.process.pid}\) is gone"):
+        workers.merge_round([], upto=CUT)
+
+
+def rounds_of(run_dir):
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_one_client_per_worker_without_momentum_is_splitfed_v1(tmp_path):
+    """Three workers, three clients: each worker trains one client's copy of the trunk and
+    the copies are merged by samples, exactly what SplitFed v1 does with its per-client copies."""
+    small = ("strategy.num_rounds=2", "num_clients=3", "logger=none", "strategy.momentum=0")
+    workers_dir = run_experiment(tmp_path / "workers", "dataplane.trunk_workers=3", *small)
+    v1_dir = run_experiment(tmp_path / "v1", "strategy=splitfed_v1", *small)
+    for a, b in zip(rounds_of(workers_dir), rounds_of(v1_dir), strict=True):
+        assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-4, abs=1e-5)
+    ours, v1 = torch.load(workers_dir / "model.pt"), torch.load(v1_dir / "model.pt")
+    assert max((ours[k] - t).abs().max().item() for k, t in v1.items()) < 1e-4
+    # Every worker process the run started is gone.
+    log = (workers_dir / "run.log").read_text()
+    pids = [int(p) for p in re.search(r"trunk workers serving at .* \(pids ([\d, ]+)\)",
+                                      log).group(1).split(", ")]
+    assert len(pids) == 3 and not any(alive(pid) for pid in pids)
