@@ -135,6 +135,10 @@ def check_config(cfg: DictConfig) -> None:
         probe.run_dir = "."
     config: Config = to_object(probe)  # runs every __post_init__ check
     check_dataset_config(config.dataset)
+    if config.dataset.name == "synthetic" and config.partitioner.name != "iid":
+        raise ValueError(f"partitioner={config.partitioner.name} does not apply to "
+                         "dataset=synthetic: each device generates its own data "
+                         "(dataset.skew sets how far devices differ)")
     model = build_model_from_config(config.model, config.dataset)
     # The client step checks what it needs of the model (cut, tail cut, head).
     check_planner(config, protocol, model)

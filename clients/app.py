@@ -17,6 +17,7 @@ fail.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -45,7 +46,7 @@ from clients.loop import TrainReport, epoch_loader, evaluate_round, train_round
 from clients.steps.base import ClientStep
 from protocols import PROTOCOLS, Protocol
 from splitlearn.config import RunSpec, decode_spec
-from splitlearn.data import client_dataset, local_dataset
+from splitlearn.data import client_dataset, describe_dataset, local_dataset
 from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
 from splitlearn.models.factory import build_model_from_config
 from splitlearn.planning.devices import DeviceProfile
@@ -58,12 +59,15 @@ from splitlearn.privacy import (
 )
 from splitlearn.privacy.accounting import Step
 from splitlearn.privacy.floor import PrivacyFloor, PrivacyFloorViolation
-from splitlearn.privacy.ledger import LEDGER_KEY, load_ledger, save_ledger
+from splitlearn.privacy.labels import randomized_labels
+from splitlearn.privacy.ledger import LEDGER_KEY, load_label_secret, load_ledger, save_ledger
 from splitlearn.wire import record_bytes, record_to_state, state_to_record
 from strategies.reporting import ROUND_KEY, SPEC_KEY, STATUS_KEY
 
 #: ``context.state`` key of this node's privacy accountant history.
 ACCOUNTANT_STATE_KEY = "privacy-accountant"
+#: ``context.state`` key of the secret this node's labels are randomised with.
+LABEL_SECRET_STATE_KEY = "label-secret"
 #: Opens the round's data-plane session: (trunk address, token, spec) -> channel.
 ChannelFactory = Callable[[str, str, RunSpec], TrunkChannel]
 
@@ -103,6 +107,7 @@ class ClientRound:
     num_partitions: int
     declared: DeviceProfile | None = None  # a real device's own profile (node config)
     data_path: str | None = None  # a device's own data (node config data-path)
+    label_secret: int | None = None  # privacy.label_epsilon: seeds the node's label draw
 
     @classmethod
     def read(cls, msg: Message, context: Context) -> ClientRound:
@@ -121,6 +126,7 @@ class ClientRound:
             int(data["server_round"]), int(data["cut"]), bool(data.get("checkpoint", False)),
             str(data.get("token", "")), address, **_partition(context), declared=declared,
             data_path=str(node[DATA_KEY]) if node.get(DATA_KEY) else None,
+            label_secret=_label_secret(context) if spec.privacy.label_epsilon else None,
         )
 
     def step(self, arrays: ArrayRecord) -> ClientStep:
@@ -144,7 +150,15 @@ class ClientRound:
         )
 
     def dataset(self) -> TensorDataset:
-        """Return the node's own data (``data-path``), else its partition of the run's data."""
+        """Return the node's data, its labels randomised under ``privacy.label_epsilon``.
+
+        The data is the node's own (``data-path``), else its partition of the run's.
+        Training and evaluation both see only the randomised labels, the same ones
+        every round (see :mod:`splitlearn.privacy.labels`).
+        """
+        return self._released_labels(self._raw_dataset())
+
+    def _raw_dataset(self) -> TensorDataset:
         if self.data_path is None:
             return client_dataset(
                 self.spec.dataset, self.spec.partitioner, seed=self.spec.seed,
@@ -154,6 +168,17 @@ class ClientRound:
             return local_dataset(self.data_path, self.spec.dataset)
         except (OSError, ValueError) as err:
             raise DeviceFailure(f"{DATA_KEY}={self.data_path}: {err}") from err
+
+    def _released_labels(self, data: TensorDataset) -> TensorDataset:
+        epsilon = self.spec.privacy.label_epsilon
+        if epsilon is None:
+            return data
+        assert self.label_secret is not None  # read() draws it whenever epsilon is set
+        images, labels = data.tensors
+        released = randomized_labels(
+            labels, epsilon=epsilon, secret=self.label_secret,
+            num_classes=describe_dataset(self.spec.dataset.name).num_classes)
+        return TensorDataset(images, released)
 
 
 def trunk_trust(spec: RunSpec, node_config: Mapping[str, object], *, address: str) -> RunSpec:
@@ -183,6 +208,22 @@ def _partition(context: Context) -> dict[str, int]:
         "partition_id": int(context.node_config["partition-id"]),
         "num_partitions": int(context.node_config["num-partitions"]),
     }
+
+
+def _label_secret(context: Context) -> int:
+    """Return the secret this node randomises its labels with (drawn once, then kept).
+
+    Beside the node's ledger when it keeps one (so restarts and new runs on the same
+    data draw the same labels), else in ``context.state`` (kept across rounds).
+    """
+    ledger = context.node_config.get(LEDGER_KEY)
+    if ledger:
+        return load_label_secret(str(ledger))
+    record = context.state.config_records.get(LABEL_SECRET_STATE_KEY)
+    if record is None:
+        record = ConfigRecord({"secret": secrets.randbits(63)})
+        context.state[LABEL_SECRET_STATE_KEY] = record
+    return int(record["secret"])
 
 
 def _load_accountant(context: Context) -> PrivacyAccountant:
@@ -279,6 +320,8 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     if spec.privacy.accounted:
         metrics["epsilon"] = accountant.epsilon(spec.privacy.delta)
         metrics["epsilon-vs-server"] = accountant.epsilon_unamplified(spec.privacy.delta)
+    if spec.privacy.label_epsilon:
+        metrics["label-epsilon"] = spec.privacy.label_epsilon
     metrics["handler-s"] = time.perf_counter() - entered
     content = RecordDict({"arrays": arrays, "metrics": metrics})
     for key, arrays in step.reply_arrays().items():

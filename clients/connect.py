@@ -69,6 +69,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     floor.add_argument("--min-noise-multiplier", type=float)
     floor.add_argument("--max-delta", type=float)
     floor.add_argument("--epsilon-max", type=float)
+    floor.add_argument("--label-epsilon-max", type=float,
+                       help="require label DP (randomised response) at this epsilon or below")
     floor.add_argument("--privacy-ledger", type=Path, metavar="FILE",
                        help="where this device keeps its privacy spend across restarts")
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")

@@ -56,6 +56,7 @@ from splitlearn.config import PrivacyConfig, to_object  # noqa: E402
 from splitlearn.data import client_dataset, held_out_dataset  # noqa: E402
 from splitlearn.models import SplittableModel  # noqa: E402
 from splitlearn.privacy import GaussianActivationMechanism  # noqa: E402
+from splitlearn.privacy.labels import randomized_labels  # noqa: E402
 
 #: Overrides applied before the user's: fast, offline, the shallowest (most exposed) cut.
 ATTACK_DEFAULTS = (
@@ -78,6 +79,10 @@ ACTIVATION_CLIP_NORM = 10.0
 TABLE_SIGMAS = (0.01, 0.03, 0.1, 0.3)
 #: DP-SGD row of the table: (sigma, per-sample gradient clip norm).
 TABLE_DPSGD = (1.0, 1.0)
+#: NoPeek row of the table: the weight of dCor(inputs, activations) in the device's loss.
+TABLE_NOPEEK = 10.0
+#: Label-DP row of the table: randomised response at this epsilon.
+TABLE_LABEL_EPSILON = 1.0
 TARGET_CLIENT = 0
 
 
@@ -156,8 +161,10 @@ def attack(
     settings: PrivacyConfig = to_object(cfg.privacy)
     generator = torch.Generator().manual_seed(cfg.seed + 1)
     release = release_fn(model, cfg.model.cut, settings, generator)
+    nopeek = f" + NoPeek {settings.nopeek_weight:g}" if settings.nopeek_weight else ""
+    labels = f" + label RR eps {settings.label_epsilon:g}" if settings.label_epsilon else ""
     row: dict[str, float | str] = {
-        "privacy": settings.name,
+        "privacy": settings.name + nopeek + labels,
         "sigma": settings.noise_multiplier if settings.accounted else 0.0,
         "clip": settings.clip_norm if settings.accounted else math.inf,
         "epsilon": history[-1].get("epsilon", math.inf),
@@ -182,7 +189,13 @@ def attack(
         row["dcor_shuffled"] = distance_correlation(data.targets, released[shuffled])
     if "label_leak" in which:
         trunk = nn.Sequential(*list(model.stages)[cfg.model.cut:])
-        grads = cut_layer_gradients(trunk, release(data.targets), data.target_labels)
+        # The gradients come from the labels the device trains on (randomised under
+        # label DP); the attacker is scored against the true ones.
+        trained_on = data.target_labels
+        if settings.label_epsilon:
+            trained_on = randomized_labels(trained_on, epsilon=settings.label_epsilon,
+                                           num_classes=model.num_classes, secret=cfg.seed + 2)
+        grads = cut_layer_gradients(trunk, release(data.targets), trained_on)
         row["auc_norm"] = one_vs_rest_norm_auc(grads, data.target_labels)
         row["auc_direction"] = direction_attack_auc(
             grads, data.target_labels, generator=generator
@@ -195,9 +208,11 @@ def table_configs(
     *,
     sigmas: Sequence[float] = TABLE_SIGMAS,
     dpsgd: tuple[float, float] | None = TABLE_DPSGD,
+    nopeek: float | None = TABLE_NOPEEK,
+    label_epsilon: float | None = TABLE_LABEL_EPSILON,
     clip_norm: float = ACTIVATION_CLIP_NORM,
 ) -> list[DictConfig]:
-    """One config per table row: no noise, each activation sigma, then DP-SGD."""
+    """One config per row: no noise, each activation sigma, DP-SGD, NoPeek, label DP."""
     rows = [["privacy=none"]]
     rows += [
         ["privacy=activation_gaussian", f"privacy.clip_norm={clip_norm}",
@@ -207,6 +222,10 @@ def table_configs(
     if dpsgd is not None:
         rows.append(["privacy=dpsgd_client", f"privacy.noise_multiplier={dpsgd[0]}",
                      f"privacy.clip_norm={dpsgd[1]}"])
+    if nopeek is not None:
+        rows.append(["privacy=none", f"privacy.nopeek_weight={nopeek}"])
+    if label_epsilon is not None:
+        rows.append(["privacy=none", f"privacy.label_epsilon={label_epsilon}"])
     configs = []
     for row in rows:
         cfg = compose_config([*ATTACK_DEFAULTS, *row, *overrides])

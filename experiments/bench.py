@@ -1,9 +1,10 @@
 """Benchmarks (numbers, not tests): ``python -m experiments.bench NAME [overrides ...]``.
 
 ``scale``
-    Peak memory of ``+scenario=large_scale`` with 100 and with 1,000 registered
-    clients (same clients per round): the ServerApp process and the whole
-    process tree (Ray workers included), sampled from /proc every 0.2 s.
+    Time per training sample and peak memory of ``+scenario=large_scale`` (10
+    clients per round, 64 synthetic examples each) with 10 to 10,000 registered
+    clients (``--clients``): the ServerApp process and the whole process tree
+    (Ray workers included), sampled from /proc; see :mod:`experiments.scale_bench`.
 
 ``overhead``
     SplitFed v2's samples/s through the real stack (Flower Simulation Engine,
@@ -84,69 +85,11 @@ def bench_overhead_suite(overrides: Sequence[str], *, clients: Sequence[int],
     bench_overhead(overrides, clients=clients, workers=workers)
 
 
-def _rss_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+def bench_scale_suite(overrides: Sequence[str], *, clients: Sequence[int]) -> None:
+    """Time per sample and memory by registered clients (:mod:`experiments.scale_bench`)."""
+    from experiments.scale_bench import bench_scale
 
-
-def _descendants(root: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                stat = (proc / "stat").read_text()
-                parents[int(proc.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    tree, frontier = {root}, [root]
-    while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
-        tree.update(children)
-        frontier.extend(children)
-    return tree
-
-
-def peak_memory_of_run(overrides: Sequence[str]) -> tuple[int, int, float]:
-    """Run ``experiments.run`` in a subprocess; return peak RSS (main, tree) and seconds."""
-    import subprocess
-    import sys
-
-    with tempfile.TemporaryDirectory(prefix="bench-") as run_dir:
-        cmd = [sys.executable, "-m", "experiments.run", f"hydra.run.dir={run_dir}", *overrides]
-        started = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        peak_main = peak_tree = 0
-        while proc.poll() is None:
-            peak_main = max(peak_main, _rss_bytes(proc.pid))
-            peak_tree = max(peak_tree, sum(_rss_bytes(p) for p in _descendants(proc.pid)))
-            time.sleep(0.2)
-        if proc.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}")
-        return peak_main, peak_tree, time.perf_counter() - started
-
-
-def bench_scale(overrides: Sequence[str]) -> float:
-    """Peak memory with 100 and 1,000 registered clients; return the ratio of tree peaks."""
-    peaks = {}
-    for clients in (100, 1000):
-        # Same number of clients per round at both sizes: only registration differs.
-        fraction = 10 / clients
-        run = ["+scenario=large_scale", f"num_clients={clients}", "logger=none",
-               f"strategy.fraction_train={fraction}", "strategy.num_rounds=5", *overrides]
-        peaks[clients] = peak_memory_of_run(run)
-        main, tree, seconds = peaks[clients]
-        print(f"{clients:>5} clients: peak RSS ServerApp process {main / 2**20:7.1f} MiB, "
-              f"process tree {tree / 2**20:7.1f} MiB, {seconds:.1f} s", flush=True)
-    ratio = peaks[1000][1] / peaks[100][1]
-    print(f"tree peak ratio 1000/100 clients: {ratio:.3f}")
-    print(f"{ratio:.3f}")
-    return ratio
+    bench_scale(overrides, registered=clients)
 
 
 CLOCK_DEFAULTS = (
@@ -415,7 +358,7 @@ def bench_communication_suite(overrides: Sequence[str]) -> None:
 
 BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
               "compression": bench_compression_suite, "communication": bench_communication_suite,
-              "latency": bench_latency_suite, "scale": bench_scale,
+              "latency": bench_latency_suite, "scale": bench_scale_suite,
               "clock": bench_clock, "memory": bench_memory, "planner": bench_planner_suite,
               "tls": bench_tls, "executorch": bench_executorch}
 
@@ -427,8 +370,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides")
     parser.add_argument("--seeds", type=int, default=3, help="planner, compression: seeds")
     parser.add_argument("--repeats", type=int, default=3, help="rounds: runs of the job")
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16],
-                        help="overhead: numbers of clients")
+    parser.add_argument("--clients", type=int, nargs="+",
+                        help="overhead: clients (1 4 16); scale: registered (10 ... 10000)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="overhead: numbers of trunk workers")
     parser.add_argument("--target", type=float, default=0.9, help="planner: test accuracy")
@@ -444,7 +387,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.name == "compression":
         bench_compression_suite(args.overrides, seeds=args.seeds)
     elif args.name == "overhead":
-        bench_overhead_suite(args.overrides, clients=args.clients, workers=args.workers)
+        bench_overhead_suite(args.overrides, clients=args.clients or [1, 4, 16],
+                             workers=args.workers)
+    elif args.name == "scale":
+        bench_scale_suite(args.overrides, clients=args.clients or [10, 100, 1000, 10000])
     elif args.name == "rounds":
         bench_rounds_suite(args.overrides, repeats=args.repeats)
     else:

@@ -22,7 +22,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 from omegaconf import DictConfig, OmegaConf
 
-from clients.app import build_client_app
+from clients.app import build_client_app, grpc_channel
 from server.app import TrainingResult, run_training, start_runtime, stop_runtime
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import InProcessTransport, TrunkChannel, TrunkEndpoint
@@ -112,14 +112,18 @@ def in_process_channels(endpoint: TrunkEndpoint):  # noqa: ANN201 - a ChannelFac
 def run_local(cfg: DictConfig, *, concurrency: int = 1) -> TrainingResult:
     """Run ``cfg`` through the shipped strategy, runtime and ClientApp, in this process.
 
-    ``cfg.run_dir`` is used when set; otherwise the run folder is temporary.
+    ``cfg.run_dir`` is used when set; otherwise the run folder is temporary. With
+    trunk workers (``dataplane.trunk_workers`` > 1) the trunk lives in other processes,
+    so the clients reach it over gRPC.
     """
     with tempfile.TemporaryDirectory(prefix="local-run-") as tmp:
         if OmegaConf.is_missing(cfg, "run_dir"):
             cfg.run_dir = tmp
         runtime = start_runtime(cfg)
         try:
-            client_app = build_client_app(in_process_channels(runtime.endpoint))
+            channels = (grpc_channel if runtime.workers is not None
+                        else in_process_channels(runtime.endpoint))
+            client_app = build_client_app(channels)
             grid = LocalGrid(client_app, num_nodes=cfg.num_clients, concurrency=concurrency)
             return run_training(grid, runtime)
         finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,17 @@ class DatasetConfig:
     path: str | None = None  # local folder for flwr-datasets datasets (no download)
     test_fraction: float = 0.2  # digits only: held-out share, stratified
     image_size: int | None = None  # resize (bilinear) to this size; None = native
+    # synthetic only: each device generates this many examples of its own, and how far
+    # devices' inputs differ (0: one distribution for all)
+    samples_per_client: int = 64
+    skew: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.samples_per_client < 1:
+            raise ValueError(f"dataset.samples_per_client={self.samples_per_client}: "
+                             "need at least 1")
+        if self.skew < 0:
+            raise ValueError(f"dataset.skew={self.skew}: need at least 0")
 
 
 @dataclass
@@ -194,12 +206,19 @@ class PrivacyConfig:
     # NoPeek: the device also minimises this x dCor(inputs, what it sends), batch by batch
     # (split protocols); a defence against inversion, not a DP guarantee. 0 = off.
     nopeek_weight: float = 0.0
+    # Label DP: each device trains on its labels after K-ary randomised response at this
+    # epsilon, drawn once per example from a secret the node keeps. None = off.
+    label_epsilon: float | None = None
 
     def __post_init__(self) -> None:
         if self.name not in PRIVACY_NAMES:
             raise ValueError(f"privacy.name={self.name!r}; accepted: {list(PRIVACY_NAMES)}")
         if not self.nopeek_weight >= 0:
             raise ValueError(f"privacy.nopeek_weight must be >= 0, got {self.nopeek_weight!r}")
+        if self.label_epsilon is not None and not (
+                math.isfinite(self.label_epsilon) and self.label_epsilon > 0):
+            raise ValueError(f"privacy.label_epsilon must be a finite number > 0 or null, got "
+                             f"{self.label_epsilon!r}")
         if self.name == "none":
             return
         if not self.clip_norm > 0:

@@ -1,10 +1,13 @@
 """Load client partitions and the central test set as torch TensorDatasets.
 
-Two sources are supported:
+Three sources are supported:
 
 * ``"digits"``: scikit-learn's bundled 8x8 digits (offline, see
   :mod:`splitlearn.data.digits`); its train part is partitioned, its held-out
   part is the test set.
+* ``"synthetic"``: 8x8 examples each device generates for itself, any number of
+  devices with ``samples_per_client`` each (offline, see
+  :mod:`splitlearn.data.synthetic`); the partitioner does not apply.
 * ``"mnist"``, ``"fashion_mnist"``, ``"cifar10"``: loaded through
   ``flwr_datasets.FederatedDataset`` from the HuggingFace Hub id, or from a
   local folder when ``path`` is given.
@@ -47,6 +50,7 @@ from splitlearn.data.partition import (
     make_partitioner,
     partition_dataset,
 )
+from splitlearn.data.synthetic import synthetic_partition, synthetic_test
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ class _DatasetSource:
 _KNOWN_DATASETS: MappingProxyType[str, _DatasetSource] = MappingProxyType(
     {
         "digits": _DatasetSource(DatasetSpec("digits", 1, 8, 10), None, "image", "label"),
+        "synthetic": _DatasetSource(DatasetSpec("synthetic", 1, 8, 10), None, "image", "label"),
         "mnist": _DatasetSource(DatasetSpec("mnist", 1, 28, 10), "ylecun/mnist", "image", "label"),
         "fashion_mnist": _DatasetSource(
             DatasetSpec("fashion_mnist", 1, 28, 10),
@@ -165,6 +170,8 @@ def load_client_data(
     path: str | None = None,
     test_fraction: float = 0.2,
     image_size: int | None = None,
+    samples_per_client: int = 64,
+    skew: float = 0.0,
 ) -> TensorDataset:
     """Load one client's partition of the training data.
 
@@ -197,6 +204,8 @@ def load_client_data(
         which have their own test split.
     image_size : int | None, optional
         Resize images to this size (bilinear); None keeps the native size.
+    samples_per_client, skew : optional
+        ``"synthetic"`` only: examples per device and how far devices' inputs differ.
 
     Returns
     -------
@@ -210,6 +219,11 @@ def load_client_data(
         out-of-range ``partition_id``.
     """
     source = _dataset_source(dataset)
+    if dataset == "synthetic":
+        check_partition_id(partition_id, num_partitions)
+        data = synthetic_partition(seed=seed, partition_id=partition_id,
+                                   samples=samples_per_client, skew=skew)
+        return resize_images(data, image_size)
     part = make_partitioner(
         partitioner,
         num_partitions=num_partitions,
@@ -240,6 +254,7 @@ def load_test_data(
     path: str | None = None,
     test_fraction: float = 0.2,
     image_size: int | None = None,
+    skew: float = 0.0,
 ) -> TensorDataset:
     """Load the central (server-side) test set.
 
@@ -257,6 +272,8 @@ def load_test_data(
         Held-out fraction of the digits data; ignored for other datasets.
     image_size : int | None, optional
         Resize images to this size (bilinear); None keeps the native size.
+    skew : float, optional
+        ``"synthetic"`` only: how far the test devices' inputs differ.
 
     Returns
     -------
@@ -269,6 +286,8 @@ def load_test_data(
         For an unknown dataset name.
     """
     source = _dataset_source(dataset)
+    if dataset == "synthetic":
+        return resize_images(synthetic_test(seed=seed, skew=skew), image_size)
     if source.hub_id is None:
         _, test = load_digits_splits(test_fraction=test_fraction, seed=seed)
     else:
@@ -385,6 +404,7 @@ def client_dataset(
         partitioner=partitioner.name, seed=seed, alpha=partitioner.alpha,
         shards_per_partition=partitioner.shards_per_partition, path=dataset.path,
         test_fraction=dataset.test_fraction, image_size=dataset.image_size,
+        samples_per_client=dataset.samples_per_client, skew=dataset.skew,
     )
 
 
@@ -428,7 +448,7 @@ def held_out_dataset(dataset: DatasetConfig, *, seed: int) -> TensorDataset:
     """Load the held-out test split as the ``dataset`` config group describes it."""
     return load_test_data(
         dataset=dataset.name, seed=seed, path=dataset.path,
-        test_fraction=dataset.test_fraction, image_size=dataset.image_size,
+        test_fraction=dataset.test_fraction, image_size=dataset.image_size, skew=dataset.skew,
     )
 
 
@@ -447,8 +467,8 @@ def check_dataset_config(dataset: DatasetConfig) -> None:
         return
     if source.hub_id is None:
         raise ValueError(
-            f"dataset.path={dataset.path!r} is set but dataset.name={dataset.name!r} ships with "
-            "scikit-learn and reads no folder; drop dataset.path or choose "
+            f"dataset.path={dataset.path!r} is set but dataset.name={dataset.name!r} is built in "
+            "and reads no folder; drop dataset.path or choose "
             f"{[n for n in KNOWN_DATASETS if _KNOWN_DATASETS[n].hub_id]}"
         )
     folder = Path(dataset.path)

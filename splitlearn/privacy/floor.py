@@ -21,6 +21,9 @@ optional; a node without them accepts what the server asks):
 ``privacy-epsilon-max``
     The node's own budget: the tighter of it and the task's ``epsilon_max``
     applies, so a server can lower a node's budget but never raise it.
+``privacy-label-epsilon-max``
+    The node requires label DP (``privacy.label_epsilon``) at this epsilon or
+    below; a task without it, or above, is refused. Independent of the others.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ FLOOR_KEYS = {
     "min_noise_multiplier": "privacy-min-noise-multiplier",
     "max_delta": "privacy-max-delta",
     "epsilon_max": "privacy-epsilon-max",
+    "label_epsilon_max": "privacy-label-epsilon-max",
 }
 
 
@@ -61,12 +65,15 @@ class PrivacyFloor:
         The largest delta it accepts.
     epsilon_max : float | None
         Its own budget.
+    label_epsilon_max : float | None
+        The largest label epsilon it accepts (it then requires label DP).
     """
 
     option: str | None = None
     min_noise_multiplier: float = 0.0
     max_delta: float | None = None
     epsilon_max: float | None = None
+    label_epsilon_max: float | None = None
 
     def __post_init__(self) -> None:
         accepted = [n for n in PRIVACY_NAMES if n != "none"]
@@ -82,6 +89,11 @@ class PrivacyFloor:
         ):
             raise ValueError(f"{FLOOR_KEYS['epsilon_max']} must be a finite number > 0, got "
                              f"{self.epsilon_max!r}")
+        if self.label_epsilon_max is not None and not (
+            math.isfinite(self.label_epsilon_max) and self.label_epsilon_max > 0
+        ):
+            raise ValueError(f"{FLOOR_KEYS['label_epsilon_max']} must be a finite number > 0, "
+                             f"got {self.label_epsilon_max!r}")
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, object]) -> PrivacyFloor:
@@ -104,12 +116,13 @@ class PrivacyFloor:
 
     @property
     def required(self) -> bool:
-        """Whether the node requires any privacy at all."""
+        """Whether the node requires noise (an accounted option); label DP is checked apart."""
         return self.option is not None or self.min_noise_multiplier > 0 or (
             self.max_delta is not None or self.epsilon_max is not None)
 
     def check(self, settings: PrivacyConfig) -> None:
         """Refuse (PrivacyFloorViolation) a task whose privacy is below this floor."""
+        self._check_labels(settings)
         if not self.required:
             return
         if settings.name == "none":
@@ -127,6 +140,18 @@ class PrivacyFloor:
             raise PrivacyFloorViolation(
                 f"the task asks for delta={settings.delta}; this node accepts at most "
                 f"{self.max_delta}")
+
+    def _check_labels(self, settings: PrivacyConfig) -> None:
+        if self.label_epsilon_max is None:
+            return
+        if settings.label_epsilon is None:
+            raise PrivacyFloorViolation(
+                "the task asks for no label privacy (privacy.label_epsilon=null); this node "
+                f"requires label epsilon <= {self.label_epsilon_max}")
+        if settings.label_epsilon > self.label_epsilon_max:
+            raise PrivacyFloorViolation(
+                f"the task asks for label_epsilon={settings.label_epsilon}; this node accepts "
+                f"at most {self.label_epsilon_max}")
 
     def budget(self, task_epsilon_max: float | None) -> float | None:
         """Return the budget that applies: the tighter of the node's and the task's (or None)."""

@@ -15,6 +15,7 @@ intact. A ledger that exists but cannot be read is an error, never a reset.
 from __future__ import annotations
 
 import json
+import secrets
 from pathlib import Path
 
 from splitlearn.atomic import write_atomic
@@ -53,3 +54,31 @@ def load_ledger(path: str | Path) -> PrivacyAccountant:
 def save_ledger(path: str | Path, accountant: PrivacyAccountant) -> None:
     """Write ``accountant`` to ``path`` atomically (the old ledger stays if this fails)."""
     write_atomic(path, json.dumps({"version": LEDGER_VERSION, "history": accountant.to_lists()}))
+
+
+def label_secret_path(ledger: str | Path) -> Path:
+    """Where the node keeps the secret its labels are randomised with, beside its ledger."""
+    return Path(f"{ledger}.label-secret")
+
+
+def load_label_secret(ledger: str | Path) -> int:
+    """Return the node's label secret kept beside ``ledger``, creating it on first use.
+
+    Raises
+    ------
+    ValueError
+        If the file exists but holds no secret (a new one would draw new labels:
+        the same labels released twice under two draws).
+    """
+    path = label_secret_path(ledger)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        secret = secrets.randbits(63)
+        write_atomic(path, json.dumps({"version": LEDGER_VERSION, "secret": secret}))
+        return secret
+    try:
+        return int(json.loads(text)["secret"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"label secret {path} is unreadable ({err}); refusing to draw the "
+                         "labels anew") from err

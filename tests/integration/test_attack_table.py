@@ -23,7 +23,8 @@ def test_the_quick_table_runs_every_row_and_noise_lowers_what_leaks(tmp_path):
     column = {name: header.index(name) for name in ("privacy", "sigma", "inversion SSIM",
                                                      "dCor² (bias-corrected)")}
     assert [r[column["privacy"]] for r in rows] == [
-        "none", *["activation_gaussian"] * 4, "dpsgd_client"]
+        "none", *["activation_gaussian"] * 4, "dpsgd_client", "none + NoPeek 10",
+        "none + label RR eps 1"]
     noised = rows[:5]  # no noise, then sigma 0.01 .. 0.3
     corrected = [float(r[column["dCor² (bias-corrected)"]]) for r in noised]
     ssim = [float(r[column["inversion SSIM"]]) for r in noised]
@@ -31,3 +32,9 @@ def test_the_quick_table_runs_every_row_and_noise_lowers_what_leaks(tmp_path):
     assert corrected == sorted(corrected, reverse=True) and corrected[0] > 0.9
     assert corrected[-1] < 0.15
     assert ssim[-1] < ssim[0] - 0.2
+    # NoPeek trains the bottom to decorrelate its outputs from its inputs.
+    nopeek = float(rows[-2][column["dCor² (bias-corrected)"]])
+    assert nopeek < corrected[0]
+    # Randomised labels: the trunk's gradients point at the released labels, not the true.
+    auc = header.index("label AUC (direction)")
+    assert float(rows[-1][auc]) < float(rows[0][auc]) - 0.1

@@ -214,3 +214,60 @@ def test_activation_noise_follows_each_clients_own_cut(tmp_path):
         stacked = torch.stack(rows)
         assert stacked.std().item() == pytest.approx(sigma * clip, rel=0.05)
         assert abs(stacked.mean().item()) <= clip / stacked.shape[1] ** 0.5 + 0.02
+
+
+def sent_labels(frames: list[bytes]) -> torch.Tensor:
+    """The labels of every training frame sent, in the order sent."""
+    labels = []
+    for data in frames:
+        request = pb.Request.FromString(data)
+        if request.WhichOneof("kind") == "forward":
+            labels.append(decode_tensor(request.forward.labels, name="labels", max_bytes=2**20))
+    return torch.cat(labels)
+
+
+def test_label_dp_sends_the_same_randomised_labels_every_round(tmp_path):
+    """SplitFed sends labels to the trunk: under privacy.label_epsilon each example's label is
+    the node's one randomised draw, the same in both rounds, kept at randomised response's rate."""
+    from torch.utils.data import TensorDataset
+
+    from clients.loop import epoch_loader
+    from splitlearn.data import client_dataset
+    from splitlearn.privacy.labels import keep_probability
+
+    cfg = small_config("strategy.num_rounds=2", "privacy.label_epsilon=1.0", run_dir=str(tmp_path))
+    runtime = start_runtime(cfg)
+    frames: dict[tuple[int, str], list[bytes]] = {}
+
+    def recording(address, token, spec):
+        grant = runtime.tokens.lookup(token)
+        kept = frames.setdefault((grant.server_round, grant.client), [])
+        return TrunkChannel(RecordingTransport(InProcessTransport(runtime.endpoint, token), kept),
+                            reply_timeout_s=spec.reply_timeout_s,
+                            max_frame_bytes=spec.max_frame_bytes)
+
+    try:
+        grid = LocalGrid(build_client_app(recording), num_nodes=cfg.num_clients)
+        history = run_training(grid, runtime).history
+    finally:
+        stop_runtime(runtime)
+    assert history[-1]["test_accuracy"] > history[0]["test_accuracy"]  # still learns
+    spec = runtime.spec
+    for node in grid.contexts:
+        true = client_dataset(spec.dataset, spec.partitioner, seed=spec.seed,
+                              partition_id=node - 1, num_partitions=cfg.num_clients).tensors[1]
+        released = []
+        for server_round in (1, 2):
+            # Without activation noise the batch order follows from the task: replay it to
+            # put each sent label back at its example.
+            order = torch.cat([i for i, _ in epoch_loader(
+                TensorDataset(torch.arange(len(true)), true), spec, server_round=server_round,
+                partition_id=node - 1)])
+            by_example = torch.empty_like(true)
+            by_example[order] = sent_labels(frames[(server_round, str(node))])
+            released.append(by_example)
+        assert torch.equal(released[0], released[1])  # one draw, kept: nothing new released
+        kept = float((released[0] == true).float().mean())
+        assert abs(kept - keep_probability(1.0, 10)) < 0.12  # 0.23 at eps 1 over 10 classes
+    rows = read_clients(tmp_path)
+    assert {float(r["label_epsilon"]) for r in rows} == {1.0}
