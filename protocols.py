@@ -151,6 +151,12 @@ def check_config(cfg: DictConfig) -> None:
             f"protocols' device side (splitfed_v1, splitfed_v2, sglr, sequential), not "
             f"strategy={protocol.name}"
         )
+    if config.privacy.gradient_noise_multiplier and protocol.name != "ushaped":
+        raise ValueError(
+            f"privacy.gradient_noise_multiplier={config.privacy.gradient_noise_multiplier} noises "
+            f"the gradient a U-shaped device returns; strategy={protocol.name} returns none "
+            "(use strategy=ushaped)"
+        )
     if config.privacy.name == "activation_gaussian" and not protocol.client.sends_activations:
         raise ValueError(
             f"privacy=activation_gaussian protects activations; strategy={protocol.name} sends none"

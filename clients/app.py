@@ -68,6 +68,8 @@ from strategies.reporting import ROUND_KEY, SPEC_KEY, STATUS_KEY
 ACCOUNTANT_STATE_KEY = "privacy-accountant"
 #: ``context.state`` key of the secret this node's labels are randomised with.
 LABEL_SECRET_STATE_KEY = "label-secret"
+#: ``context.state`` key of the accountant of the gradients a U-shaped node returns.
+GRADIENT_ACCOUNTANT_STATE_KEY = "gradient-accountant"
 #: Opens the round's data-plane session: (trunk address, token, spec) -> channel.
 ChannelFactory = Callable[[str, str, RunSpec], TrunkChannel]
 
@@ -210,6 +212,25 @@ def _partition(context: Context) -> dict[str, int]:
     }
 
 
+def _charge_returned_gradients(context: Context, spec: RunSpec) -> float | None:
+    """Charge the round's noised returned gradients; return epsilon so far (None: not noised).
+
+    A U-shaped device returns each example's gradient row once per local epoch, clipped
+    to C and noised with std sigma x C; as a function of the example's label (the rest
+    given) the row moves by at most 2C, so each release is a Gaussian mechanism of
+    multiplier sigma / 2 at sample rate 1, kept in ``context.state`` across rounds.
+    """
+    settings = spec.privacy
+    if not settings.gradient_noise_multiplier:
+        return None
+    record = context.state.config_records.get(GRADIENT_ACCOUNTANT_STATE_KEY)
+    accountant = PrivacyAccountant() if record is None else PrivacyAccountant.from_lists(record)
+    accountant.spend([(settings.gradient_noise_multiplier / 2, 1.0, spec.strategy.local_epochs)],
+                     delta=settings.delta, epsilon_max=None)
+    context.state[GRADIENT_ACCOUNTANT_STATE_KEY] = ConfigRecord(accountant.to_lists())
+    return accountant.epsilon(settings.delta)
+
+
 def _label_secret(context: Context) -> int:
     """Return the secret this node randomises its labels with (drawn once, then kept).
 
@@ -290,6 +311,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
         # The whole round is charged before anything leaves the device.
         _charge(context, accountant, privacy.round_steps(epochs=spec.strategy.local_epochs),
                 spec=spec, floor=floor)
+        gradient_epsilon = _charge_returned_gradients(context, spec)
         pacer = _pacer(rnd, plan)
         started = time.perf_counter()  # the part of the round the virtual clock models
         if pacer is not None:  # the device first waits for its weights
@@ -322,6 +344,8 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
         metrics["epsilon-vs-server"] = accountant.epsilon_unamplified(spec.privacy.delta)
     if spec.privacy.label_epsilon:
         metrics["label-epsilon"] = spec.privacy.label_epsilon
+    if gradient_epsilon is not None:
+        metrics["gradient-epsilon"] = gradient_epsilon
     metrics["handler-s"] = time.perf_counter() - entered
     content = RecordDict({"arrays": arrays, "metrics": metrics})
     for key, arrays in step.reply_arrays().items():

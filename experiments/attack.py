@@ -43,7 +43,8 @@ import torch  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from protocols import compose_config  # noqa: E402
+from clients.steps.split import SplitStep  # noqa: E402
+from protocols import compose_config, protocol_named  # noqa: E402
 from splitlearn.attacks import (  # noqa: E402
     bias_corrected_distance_correlation,
     cut_layer_gradients,
@@ -57,6 +58,7 @@ from splitlearn.data import client_dataset, held_out_dataset  # noqa: E402
 from splitlearn.models import SplittableModel  # noqa: E402
 from splitlearn.privacy import GaussianActivationMechanism  # noqa: E402
 from splitlearn.privacy.labels import randomized_labels  # noqa: E402
+from splitlearn.split import resolve_tail_cut  # noqa: E402
 
 #: Overrides applied before the user's: fast, offline, the shallowest (most exposed) cut.
 ATTACK_DEFAULTS = (
@@ -83,6 +85,8 @@ TABLE_DPSGD = (1.0, 1.0)
 TABLE_NOPEEK = 10.0
 #: Label-DP row of the table: randomised response at this epsilon.
 TABLE_LABEL_EPSILON = 1.0
+#: U-shaped only: noise on the returned gradient (sigma; clip privacy.gradient_clip_norm).
+TABLE_GRADIENT_NOISE = 1.0
 TARGET_CLIENT = 0
 
 
@@ -163,6 +167,8 @@ def attack(
     release = release_fn(model, cfg.model.cut, settings, generator)
     nopeek = f" + NoPeek {settings.nopeek_weight:g}" if settings.nopeek_weight else ""
     labels = f" + label RR eps {settings.label_epsilon:g}" if settings.label_epsilon else ""
+    if settings.gradient_noise_multiplier:
+        labels += f" + gradient noise {settings.gradient_noise_multiplier:g}"
     row: dict[str, float | str] = {
         "privacy": settings.name + nopeek + labels,
         "sigma": settings.noise_multiplier if settings.accounted else 0.0,
@@ -188,19 +194,45 @@ def attack(
         shuffled = torch.randperm(len(released), generator=generator)
         row["dcor_shuffled"] = distance_correlation(data.targets, released[shuffled])
     if "label_leak" in which:
-        trunk = nn.Sequential(*list(model.stages)[cfg.model.cut:])
         # The gradients come from the labels the device trains on (randomised under
         # label DP); the attacker is scored against the true ones.
         trained_on = data.target_labels
         if settings.label_epsilon:
             trained_on = randomized_labels(trained_on, epsilon=settings.label_epsilon,
                                            num_classes=model.num_classes, secret=cfg.seed + 2)
-        grads = cut_layer_gradients(trunk, release(data.targets), trained_on)
+        grads = server_seen_gradients(cfg, model, release(data.targets), trained_on, settings,
+                                      generator=generator)
         row["auc_norm"] = one_vs_rest_norm_auc(grads, data.target_labels)
         row["auc_direction"] = direction_attack_auc(
             grads, data.target_labels, generator=generator
         )
     return row
+
+
+def server_seen_gradients(
+    cfg: DictConfig, model: SplittableModel, released: Tensor, labels: Tensor,
+    settings: PrivacyConfig, *, generator: torch.Generator,
+) -> Tensor:
+    """Return the label-bearing gradient the server sees for each released row.
+
+    Where the trunk holds the loss it is the gradient the trunk returns at the cut;
+    in U-shaped training it is the gradient the device sends back at the trunk's
+    features, noised as the device noises it (``privacy.gradient_noise_multiplier``).
+    """
+    stages = list(model.stages)
+    cut = cfg.model.cut
+    if cfg.strategy.name != "ushaped":
+        return cut_layer_gradients(nn.Sequential(*stages[cut:]), released, labels)
+    tail_cut = resolve_tail_cut(model, cut, cfg.strategy.tail_cut)
+    with torch.no_grad():
+        features = nn.Sequential(*stages[cut:tail_cut])(released)
+    grads = cut_layer_gradients(nn.Sequential(*stages[tail_cut:]), features, labels)
+    if not settings.gradient_noise_multiplier:
+        return grads
+    mechanism = GaussianActivationMechanism(  # per-example rows, as the device clips them
+        clip_norm=settings.gradient_clip_norm,
+        noise_multiplier=settings.gradient_noise_multiplier, generator=generator)
+    return mechanism(grads * len(labels)) / len(labels)
 
 
 def table_configs(
@@ -222,10 +254,13 @@ def table_configs(
     if dpsgd is not None:
         rows.append(["privacy=dpsgd_client", f"privacy.noise_multiplier={dpsgd[0]}",
                      f"privacy.clip_norm={dpsgd[1]}"])
-    if nopeek is not None:
+    protocol = protocol_named(compose_config([*ATTACK_DEFAULTS, *overrides]).strategy.name)
+    if nopeek is not None and issubclass(protocol.client, SplitStep):  # what NoPeek regularises
         rows.append(["privacy=none", f"privacy.nopeek_weight={nopeek}"])
     if label_epsilon is not None:
         rows.append(["privacy=none", f"privacy.label_epsilon={label_epsilon}"])
+    if protocol.name == "ushaped":
+        rows.append(["privacy=none", f"privacy.gradient_noise_multiplier={TABLE_GRADIENT_NOISE}"])
     configs = []
     for row in rows:
         cfg = compose_config([*ATTACK_DEFAULTS, *row, *overrides])

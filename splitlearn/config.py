@@ -209,12 +209,24 @@ class PrivacyConfig:
     # Label DP: each device trains on its labels after K-ary randomised response at this
     # epsilon, drawn once per example from a secret the node keeps. None = off.
     label_epsilon: float | None = None
+    # U-shaped: the gradient the device returns at the trunk's features, each example's row
+    # clipped to gradient_clip_norm and noised with std gradient_noise_multiplier x that
+    # clip (isotropic, a Marvell-style defence of the labels). 0 = off.
+    gradient_noise_multiplier: float = 0.0
+    gradient_clip_norm: float = 1.0
 
     def __post_init__(self) -> None:
         if self.name not in PRIVACY_NAMES:
             raise ValueError(f"privacy.name={self.name!r}; accepted: {list(PRIVACY_NAMES)}")
         if not self.nopeek_weight >= 0:
             raise ValueError(f"privacy.nopeek_weight must be >= 0, got {self.nopeek_weight!r}")
+        if not (math.isfinite(self.gradient_noise_multiplier)
+                and self.gradient_noise_multiplier >= 0):
+            raise ValueError("privacy.gradient_noise_multiplier must be a finite number >= 0, "
+                             f"got {self.gradient_noise_multiplier!r}")
+        if not (math.isfinite(self.gradient_clip_norm) and self.gradient_clip_norm > 0):
+            raise ValueError("privacy.gradient_clip_norm must be a finite number > 0, got "
+                             f"{self.gradient_clip_norm!r}")
         if self.label_epsilon is not None and not (
                 math.isfinite(self.label_epsilon) and self.label_epsilon > 0):
             raise ValueError(f"privacy.label_epsilon must be a finite number > 0 or null, got "

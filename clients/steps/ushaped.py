@@ -17,6 +17,7 @@ from splitlearn.calibration import client_train_memory_bytes, tail_train_memory_
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.models import SplittableModel
+from splitlearn.privacy import GaussianActivationMechanism, secret_generator
 from splitlearn.split import resolve_tail_cut, split_u, ushaped_state
 
 
@@ -33,6 +34,24 @@ class UShapedStep(ClientStep):
         self.tail_cut = resolve_tail_cut(model, self.cut, spec.strategy.tail_cut)  # type: ignore[attr-defined]
         self.head, _, self.tail = split_u(model, self.cut, self.tail_cut)
         self._parts = nn.ModuleList([self.head, self.tail])
+        settings = spec.privacy
+        #: Noise on the gradient returned at the features (privacy.gradient_noise_multiplier).
+        self.gradient_release = GaussianActivationMechanism(
+            clip_norm=settings.gradient_clip_norm,
+            noise_multiplier=settings.gradient_noise_multiplier,
+            generator=secret_generator(),
+        ) if settings.gradient_noise_multiplier else None
+
+    def returned_gradient(self, grad: Tensor) -> Tensor:
+        """Return what is sent for d (mean loss) / d features: each example's row, noised.
+
+        Rows are scaled to per-example gradients first (times the batch size), so the clip
+        bound does not depend on the batch size, then clipped, noised and scaled back.
+        """
+        if self.gradient_release is None:
+            return grad
+        rows = len(grad)
+        return self.gradient_release(grad * rows) / rows
 
     def trained(self) -> nn.Module:
         """Head and tail."""
@@ -65,7 +84,7 @@ class UShapedStep(ClientStep):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # the tail's gradients, and d loss / d features for the trunk
         assert features.grad is not None
-        torch.autograd.backward(root, channel.backward(features.grad))
+        torch.autograd.backward(root, channel.backward(self.returned_gradient(features.grad)))
         optimizer.step()
         return float(loss.detach()), hits(logits, labels)
 

@@ -248,10 +248,11 @@ def test_label_dp_sends_the_same_randomised_labels_every_round(tmp_path):
 
     try:
         grid = LocalGrid(build_client_app(recording), num_nodes=cfg.num_clients)
-        history = run_training(grid, runtime).history
+        run_training(grid, runtime)
     finally:
         stop_runtime(runtime)
-    assert history[-1]["test_accuracy"] > history[0]["test_accuracy"]  # still learns
+    # (Learning is not asserted: at eps 1 over 10 classes 77% of the labels are wrong, and
+    # 2 rounds can end at chance.)
     spec = runtime.spec
     for node in grid.contexts:
         true = client_dataset(spec.dataset, spec.partitioner, seed=spec.seed,
@@ -270,4 +271,35 @@ def test_label_dp_sends_the_same_randomised_labels_every_round(tmp_path):
         kept = float((released[0] == true).float().mean())
         assert abs(kept - keep_probability(1.0, 10)) < 0.12  # 0.23 at eps 1 over 10 classes
     rows = read_clients(tmp_path)
+    assert {r["status"] for r in rows} == {"ok"} and len(rows) == 2 * cfg.num_clients
     assert {float(r["label_epsilon"]) for r in rows} == {1.0}
+
+
+def test_ushaped_devices_noise_the_gradient_they_return_and_account_for_it(tmp_path):
+    """Each backward frame carries clipped, noised rows (std sigma x C / B), and every node's
+    accountant holds one release per example and local epoch, round after round."""
+    sigma, clip = 1.0, 1.0
+    cfg = small_config("strategy=ushaped", "strategy.num_rounds=2",
+                       f"privacy.gradient_noise_multiplier={sigma}",
+                       f"privacy.gradient_clip_norm={clip}", run_dir=str(tmp_path))
+    runtime = start_runtime(cfg)
+    frames: list[bytes] = []
+    try:
+        grid = LocalGrid(build_client_app(recording_channels(runtime, frames)),
+                         num_nodes=cfg.num_clients)
+        run_training(grid, runtime)
+    finally:
+        stop_runtime(runtime)
+    stds = []
+    for data in frames:
+        request = pb.Request.FromString(data)
+        if request.WhichOneof("kind") == "backward":
+            grad = decode_tensor(request.backward.grad, name="grad", max_bytes=2**24)
+            stds.append((float(grad.std()), len(grad)))
+    assert stds
+    # Noise dominates: the clipped signal of one row is at most C / B in norm over many
+    # coordinates, the noise sigma x C / B per coordinate.
+    assert all(std == pytest.approx(sigma * clip / rows, rel=0.25) for std, rows in stds)
+    expected = compute_epsilon(history=[(sigma / 2, 1.0, 2)], delta=1e-5)
+    rows = [r for r in read_clients(tmp_path) if r["round"] == "2"]
+    assert rows and all(float(r["gradient_epsilon"]) == pytest.approx(expected) for r in rows)

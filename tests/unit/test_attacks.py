@@ -243,3 +243,34 @@ def test_the_differentiable_dcor_is_the_statistic_and_its_gradient_lowers_it():
     constant = torch.ones(32, 4, requires_grad=True)
     distance_correlation_tensor(x, constant).backward()
     assert float(constant.grad.abs().sum()) == 0.0
+
+
+def test_the_server_sees_ushaped_gradients_at_the_trunks_features_noised_as_the_device_sends():
+    from experiments.attack import server_seen_gradients
+    from protocols import compose_config
+    from splitlearn.config import PrivacyConfig
+    from tests.conftest import digits_like_model
+
+    model = digits_like_model()
+    cfg = compose_config(["strategy=ushaped", "strategy.tail_cut=3", "model.cut=1"])
+    released = torch.randn(16, *model.cut_shape(1))
+    labels = torch.arange(16) % 10
+    plain = server_seen_gradients(cfg, model, released, labels, PrivacyConfig(),
+                                  generator=torch.Generator().manual_seed(0))
+    # Reference: the device's tail and loss on the trunk's features, by hand.
+    with torch.no_grad():
+        features = model.stages[2](model.stages[1](released))
+    leaf = features.clone().requires_grad_(True)
+    out = leaf
+    for stage in model.stages[3:]:
+        out = stage(out)
+    nn.functional.cross_entropy(out, labels).backward()
+    torch.testing.assert_close(plain, leaf.grad)
+    noised = server_seen_gradients(
+        cfg, model, released, labels, PrivacyConfig(gradient_noise_multiplier=1.0),
+        generator=torch.Generator().manual_seed(0))
+    assert noised.shape == plain.shape and not torch.allclose(noised, plain)
+    split = compose_config(["model.cut=1"])  # the trunk holds the loss: the gradient at the cut
+    at_cut = server_seen_gradients(split, model, released, labels, PrivacyConfig(),
+                                   generator=torch.Generator())
+    assert at_cut.shape == released.shape

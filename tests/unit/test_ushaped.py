@@ -489,3 +489,43 @@ def test_device_time_charges_a_round_trip_per_exchange(trunk_server_factory, mon
     one = virtual_time(ClientMeasurement(0.0, 0, 0, UShapedStep.exchanges_per_batch),
                        profile=slow, host_flops_per_s=1e9)
     assert one.latency_s == 2 * rtt
+
+
+# --- noise on the gradient the device returns ---------------------------------------
+
+
+def ushaped_step(**privacy) -> UShapedStep:
+    spec = RunSpec(strategy=UShapedOptions(tail_cut=3), privacy=PrivacyConfig(**privacy))
+    return UShapedStep(digits_like_model(), spec, cut=1)
+
+
+def test_without_gradient_noise_the_gradient_is_returned_as_computed():
+    grad = torch.randn(8, 4, 2, 2)
+    assert ushaped_step().returned_gradient(grad) is grad
+
+
+def test_returned_gradient_rows_are_clipped_per_example_and_noised_at_sigma_c_over_b():
+    batch, clip, sigma = 512, 0.5, 2.0
+    step = ushaped_step(gradient_noise_multiplier=sigma, gradient_clip_norm=clip)
+    # Per-example gradients (rows x batch) of norm 10, far above the clip: all clipped.
+    grad = torch.randn(batch, 64)
+    grad = grad / grad.norm(dim=1, keepdim=True) * 10 / batch
+    sent = step.returned_gradient(grad)
+    noise = sent - grad * (clip / 10)  # what is left after the clipped signal
+    assert float(noise.std()) == pytest.approx(sigma * clip / batch, rel=0.02)
+    # Noise is fresh per call and the direction of each clipped row survives on average.
+    again = step.returned_gradient(grad)
+    assert not torch.equal(sent, again)
+    cosine = nn.functional.cosine_similarity((sent + again) / 2, grad, dim=1).mean()
+    assert float(cosine) > 0
+
+
+def test_gradient_noise_is_refused_outside_ushaped_and_bad_values_name_the_key():
+    with pytest.raises(ValueError, match="strategy=splitfed_v2 returns none"):
+        check_config(compose_config(["privacy.gradient_noise_multiplier=1", "logger=none"]))
+    check_config(compose_config(["strategy=ushaped", "privacy.gradient_noise_multiplier=1",
+                                 "logger=none"]))
+    with pytest.raises(ValueError, match="privacy.gradient_clip_norm must be"):
+        PrivacyConfig(gradient_clip_norm=0.0)
+    with pytest.raises(ValueError, match="privacy.gradient_noise_multiplier must be"):
+        PrivacyConfig(gradient_noise_multiplier=float("nan"))
