@@ -1,4 +1,8 @@
-"""Scenarios end to end: device profiles, virtual clock, stragglers, memory declines."""
+"""Scenarios end to end: device profiles, virtual clock, stragglers, memory declines.
+
+Run by the shipped apps in this process (``run_in_process``): the scenarios' behaviour is
+the ServerApp's and the ClientApp's; the engine has its own tests.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import json
 
 import pytest
 
-from tests.integration.test_simulation import read_clients, run_experiment
+from tests.integration.test_simulation import read_clients, run_in_process
 
 
 def device_seconds(row: dict[str, str], profile: dict, host_flops_per_s: float) -> float:
@@ -22,7 +26,7 @@ def device_seconds(row: dict[str, str], profile: dict, host_flops_per_s: float) 
 
 
 def test_flaky_network_scenario_times_rounds_and_leaves_out_stragglers(tmp_path):
-    run_dir = run_experiment(
+    run_dir = run_in_process(
         tmp_path, "+scenario=flaky_network", "num_clients=6", "strategy.num_rounds=2",
         "logger=none",
     )
@@ -55,7 +59,7 @@ def test_flaky_network_scenario_times_rounds_and_leaves_out_stragglers(tmp_path)
 
 
 def test_memory_constrained_boards_decline_a_cut_they_cannot_hold(tmp_path):
-    run_dir = run_experiment(
+    run_dir = run_in_process(
         tmp_path, "+scenario=memory_constrained", "num_clients=4", "strategy.num_rounds=2",
         "logger=none",
     )

@@ -1,4 +1,8 @@
-"""Each protocol end to end (2 rounds, 3 clients), and SplitFed v1 against FedAvg."""
+"""Each protocol end to end (2 rounds, 3 clients), and SplitFed v1 against FedAvg.
+
+Run by the shipped apps in this process (``run_in_process``): what is tested is the
+protocols; the engine has its own tests (test_simulation, test_adaptive_splits, ...).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import json
 
 import pytest
 
-from tests.integration.test_simulation import read_clients, run_experiment
+from tests.integration.test_simulation import read_clients, run_in_process
 
 SMALL = ("strategy.num_rounds=2", "num_clients=3", "logger=none")
 
@@ -21,7 +25,7 @@ def rounds_of(run_dir):
     ids=["sequential", "splitfed_v2-batched"],
 )
 def test_protocol_trains_every_client(tmp_path, overrides):
-    run_dir = run_experiment(tmp_path, *overrides, *SMALL)
+    run_dir = run_in_process(tmp_path, *overrides, *SMALL)
     rounds = rounds_of(run_dir)
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert rounds[2]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.1
@@ -36,8 +40,8 @@ def test_splitfed_v1_is_fedavg_of_the_whole_model(tmp_path):
     would train the whole model, and both sides are averaged with the same
     weights, so SplitFed v1 must match Flower's FedAvg baseline round by round.
     """
-    v1 = rounds_of(run_experiment(tmp_path / "v1", "strategy=splitfed_v1", *SMALL))
-    fedavg_dir = run_experiment(tmp_path / "fedavg", "strategy=fedavg", *SMALL)
+    v1 = rounds_of(run_in_process(tmp_path / "v1", "strategy=splitfed_v1", *SMALL))
+    fedavg_dir = run_in_process(tmp_path / "fedavg", "strategy=fedavg", *SMALL)
     fedavg = rounds_of(fedavg_dir)
     for a, b in zip(v1, fedavg, strict=True):
         assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-4, abs=1e-5)

@@ -38,6 +38,23 @@ def run_experiment(tmp_path: Path, *overrides: str) -> Path:
     return run_dir
 
 
+def run_in_process(tmp_path: Path, *overrides: str) -> Path:
+    """Run the same config through the shipped apps in this process; return its run folder.
+
+    The strategy, ClientApp, trunk and run folder are the deployed ones
+    (:func:`experiments.local.run_local`, 2 clients at a time as Ray runs them here),
+    without the engine's start-up: for tests of what a protocol does, not of the engine.
+    """
+    from experiments.local import run_local
+    from protocols import compose_config
+
+    run_dir = tmp_path / "run"
+    cfg = compose_config(list(overrides))
+    cfg.run_dir = str(run_dir)
+    run_local(cfg, concurrency=2)
+    return run_dir
+
+
 def read_clients(run_dir: Path) -> list[dict[str, str]]:
     with open(run_dir / "clients.csv") as f:
         return list(csv.DictReader(f))
