@@ -162,7 +162,9 @@ def check_config(cfg: DictConfig) -> None:
             f"privacy=activation_gaussian protects activations; strategy={protocol.name} sends none"
         )
     check_privacy_source(config, model)
+    check_device_privacy(config)
     check_trunk_workers(config)
+    check_aggregation(config)
     build_fleet(num_clients=config.num_clients, mix=config.devices.mix,
                 profiles={k: vars(v) for k, v in config.devices.profiles.items()},
                 seed=config.seed)
@@ -191,6 +193,45 @@ def check_trunk_workers(config: Config) -> None:
         raise ValueError(f"dataplane.trunk_workers={workers} with planner={config.planner.name}: "
                          "the planners model one trunk that serialises every step; use "
                          "planner=uniform or dataplane.trunk_workers=1")
+
+
+def check_device_privacy(config: Config) -> None:
+    """Refuse ``privacy.per_device`` entries that name no device preset of the run (ValueError)."""
+    from clients.device import preset_profiles
+
+    known = set(config.devices.profiles) | set(preset_profiles())
+    unknown = sorted(set(config.privacy.per_device) - known)
+    if unknown:
+        raise ValueError(f"privacy.per_device names {unknown}, not device presets; known: "
+                         f"{sorted(known)}")
+
+
+def check_aggregation(config: Config) -> None:
+    """Refuse secure aggregation or DP-FedAvg where no average of equal arrays exists.
+
+    Both act on the average of the client-side weights: sequential SL passes the
+    weights from device to device (no average), local loss in bulk mode replies with
+    the smashed data the trunk must read, and per-client cuts give devices arrays of
+    different shapes (SecAgg+ sums vectors of one shape; one clip bound would cover
+    different stages).
+    """
+    agg = config.aggregation
+    if not (agg.secure or agg.clipped):
+        return
+    key = ("aggregation.secure=true" if agg.secure
+           else f"aggregation.update_clip_norm={agg.update_clip_norm}")
+    if config.strategy.name == "sequential":
+        raise ValueError(f"{key} acts on the average of the devices' weights; strategy=sequential "
+                         "passes them from device to device and averages nothing")
+    if getattr(config.strategy, "bulk", False):
+        raise ValueError(f"{key} with strategy.bulk=true: the reply carries the smashed data "
+                         "the trunk trains on; use strategy.bulk=false (the data plane)")
+    if config.planner.adaptive:
+        raise ValueError(f"{key} with planner={config.planner.name}: devices at different cuts "
+                         "hold arrays of different shapes; use planner=uniform")
+    if agg.secure and config.strategy.min_train_nodes < 2:
+        raise ValueError(f"{key} needs strategy.min_train_nodes >= 2 (got "
+                         f"{config.strategy.min_train_nodes}): one device's mask hides nothing")
 
 
 def check_privacy_source(config: Config, model: SplittableModel) -> None:

@@ -25,8 +25,10 @@ from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app.message_type import MessageType
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from torch.utils.data import DataLoader, TensorDataset
 
 from clients.device import (
@@ -38,11 +40,13 @@ from clients.device import (
     MemoryBudgetExceeded,
     Pacer,
     declared_profile,
+    device_profile,
     measured_time,
     plan_round,
     virtual_time,
 )
 from clients.loop import TrainReport, epoch_loader, evaluate_round, train_round
+from clients.secure import clip_update, secaggplus_mod, secure_train_handler
 from clients.steps.base import ClientStep
 from protocols import PROTOCOLS, Protocol
 from splitlearn.config import RunSpec, decode_spec
@@ -62,6 +66,7 @@ from splitlearn.privacy.floor import PrivacyFloor, PrivacyFloorViolation
 from splitlearn.privacy.labels import randomized_labels
 from splitlearn.privacy.ledger import LEDGER_KEY, load_label_secret, load_ledger, save_ledger
 from splitlearn.wire import record_bytes, record_to_state, state_to_record
+from strategies.privacy import UPDATE_WEIGHT_KEY
 from strategies.reporting import ROUND_KEY, SPEC_KEY, STATUS_KEY
 
 #: ``context.state`` key of this node's privacy accountant history.
@@ -114,7 +119,10 @@ class ClientRound:
     @classmethod
     def read(cls, msg: Message, context: Context) -> ClientRound:
         """Decode the message (OmegaConf checks the spec against the protocol's schema)."""
-        protocol = PROTOCOLS[msg.metadata.message_type.partition(".")[2]]
+        # ``train.<protocol>``; a plain ``train`` is SecAgg+'s stage 2 (the round record names it)
+        name = (msg.metadata.message_type.partition(".")[2]
+                or str(msg.content[ROUND_KEY]["protocol"]))
+        protocol = PROTOCOLS[name]
         spec = decode_spec(str(msg.content["config"][SPEC_KEY]), strategy=protocol.options)
         data = msg.content[ROUND_KEY]
         address = str(data.get("trunk_address", ""))
@@ -123,10 +131,12 @@ class ClientRound:
             declared = declared_profile(str(node.get(PROFILE_KEY, "")))
         except ValueError as err:
             raise DeviceFailure(str(err)) from err
+        partition = _partition(context)
+        spec = with_device_privacy(spec, declared, **partition)
         return cls(
             protocol, trunk_trust(spec, node, address=address),
             int(data["server_round"]), int(data["cut"]), bool(data.get("checkpoint", False)),
-            str(data.get("token", "")), address, **_partition(context), declared=declared,
+            str(data.get("token", "")), address, **partition, declared=declared,
             data_path=str(node[DATA_KEY]) if node.get(DATA_KEY) else None,
             label_secret=_label_secret(context) if spec.privacy.label_epsilon else None,
         )
@@ -181,6 +191,16 @@ class ClientRound:
             labels, epsilon=epsilon, secret=self.label_secret,
             num_classes=describe_dataset(self.spec.dataset.name).num_classes)
         return TensorDataset(images, released)
+
+
+def with_device_privacy(spec: RunSpec, declared: DeviceProfile | None, *, partition_id: int,
+                        num_partitions: int) -> RunSpec:
+    """Return ``spec`` with the privacy this device's class applies (``privacy.per_device``)."""
+    if not spec.privacy.per_device:
+        return spec
+    profile = declared or device_profile(spec, partition_id=partition_id,
+                                         num_partitions=num_partitions)
+    return replace(spec, privacy=spec.privacy.for_device(profile.name if profile else None))
 
 
 def trunk_trust(spec: RunSpec, node_config: Mapping[str, object], *, address: str) -> RunSpec:
@@ -293,6 +313,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     entered = time.perf_counter()
     spec = rnd.spec
     floor = _privacy_floor(context, spec)
+    floor.check_aggregation(secure=msg.metadata.message_type == MessageType.TRAIN)
     torch.set_num_threads(spec.torch_threads)
     plan = plan_round(spec, server_round=rnd.server_round, partition_id=rnd.partition_id,
                       num_partitions=rnd.num_partitions, declared=rnd.declared)
@@ -325,7 +346,9 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
                 channel.close()
     finally:
         privacy.close()
-    arrays = state_to_record(step.state())
+    # DP-FedAvg: the update leaves clipped to the bound the task names.
+    arrays = clip_update(state_to_record(step.state()), msg.content["arrays"],
+                         msg.content["config"])
     weights = Traffic(down=record_bytes(msg.content["arrays"]), up=record_bytes(arrays))
     if pacer is not None:  # ... and last sends them back
         pacer.transfer(bytes_up=weights.up)
@@ -346,6 +369,8 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
         metrics["label-epsilon"] = spec.privacy.label_epsilon
     if gradient_epsilon is not None:
         metrics["gradient-epsilon"] = gradient_epsilon
+    if KEY_CLIPPING_NORM in msg.content["config"]:
+        metrics[UPDATE_WEIGHT_KEY] = 1.0  # DP-FedAvg averages devices uniformly
     metrics["handler-s"] = time.perf_counter() - entered
     content = RecordDict({"arrays": arrays, "metrics": metrics})
     for key, arrays in step.reply_arrays().items():
@@ -457,10 +482,12 @@ def status_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
 
 def build_client_app(open_channel: ChannelFactory = grpc_channel) -> ClientApp:
     """Build the ClientApp; its data-plane sessions are opened by ``open_channel``."""
-    app = ClientApp(mods=[status_mod])
+    # SecAgg+'s stages are plain ``train`` messages; its mod answers all but stage 2.
+    app = ClientApp(mods=[status_mod, secaggplus_mod])
     for name in PROTOCOLS:
         for register, handler in ((app.train, train), (app.evaluate, evaluate)):
             register(name)(_bind(handler, open_channel))
+    app.train()(secure_train_handler(_bind(train, open_channel), status_mod))
     return app
 
 

@@ -71,6 +71,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     floor.add_argument("--epsilon-max", type=float)
     floor.add_argument("--label-epsilon-max", type=float,
                        help="require label DP (randomised response) at this epsilon or below")
+    floor.add_argument("--secure-aggregation", action="store_true", default=None,
+                       help="send this device's weights only masked by SecAgg+ "
+                            "(refuse a round without aggregation.secure)")
     floor.add_argument("--privacy-ledger", type=Path, metavar="FILE",
                        help="where this device keeps its privacy spend across restarts")
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
@@ -106,7 +109,9 @@ def format_node_config(config: dict[str, object]) -> str:
     """Flower's ``--node-config`` text: space-separated ``key=value``, strings quoted."""
     parts = []
     for key, value in config.items():
-        if isinstance(value, str):
+        if isinstance(value, bool):
+            value = str(value).lower()  # a TOML boolean
+        elif isinstance(value, str):
             if '"' in value:
                 raise ValueError(f"{key}={value!r}: a value cannot contain a double quote")
             value = json.dumps(value)  # a TOML basic string

@@ -7,7 +7,9 @@ attacks the final model the way the server could:
 
 ``inversion``
     A decoder trained on (released activations, input) pairs from auxiliary
-    data reconstructs the target client's inputs; prints MSE and SSIM.
+    data reconstructs the target client's inputs from one release each, and from the
+    average of 10 linked releases; a white-box search through the client layers
+    (the server holds them) does the same; prints MSE and SSIM.
 ``dcor``
     Distance correlation between the target client's inputs and what it releases
     (the plain sample statistic and the bias-corrected estimate of its square).
@@ -51,13 +53,17 @@ from splitlearn.attacks import (  # noqa: E402
     direction_attack_auc,
     distance_correlation,
     invert,
+    linked_releases,
     one_vs_rest_norm_auc,
+    optimise_inversion,
+    ssim,
 )
-from splitlearn.config import PrivacyConfig, to_object  # noqa: E402
+from splitlearn.config import AggregationConfig, PrivacyConfig, to_object  # noqa: E402
 from splitlearn.data import client_dataset, held_out_dataset  # noqa: E402
 from splitlearn.models import SplittableModel  # noqa: E402
 from splitlearn.privacy import GaussianActivationMechanism  # noqa: E402
 from splitlearn.privacy.labels import randomized_labels  # noqa: E402
+from splitlearn.privacy.mechanism import clip_per_sample  # noqa: E402
 from splitlearn.split import resolve_tail_cut  # noqa: E402
 
 #: Overrides applied before the user's: fast, offline, the shallowest (most exposed) cut.
@@ -87,6 +93,12 @@ TABLE_NOPEEK = 10.0
 TABLE_LABEL_EPSILON = 1.0
 #: U-shaped only: noise on the returned gradient (sigma; clip privacy.gradient_clip_norm).
 TABLE_GRADIENT_NOISE = 1.0
+#: Linked-release inversion: releases of one example the server averages before decoding.
+LINKED_RELEASES = 10
+#: White-box inversion: Adam steps of the search in input space.
+WHITEBOX_STEPS = 300
+#: SecAgg+ / DP-FedAvg row of the table (the uploaded weights): (sigma, update clip norm).
+TABLE_UPDATE_DP = (1.0, 0.5)
 TARGET_CLIENT = 0
 
 
@@ -143,6 +155,19 @@ def release_fn(
     return release
 
 
+def noiseless_release(
+    model: SplittableModel, cut: int, settings: PrivacyConfig
+) -> Callable[[Tensor], Tensor]:
+    """Return the deterministic part of the release (the device's layers, then clipping).
+
+    What a white-box attacker differentiates through: it holds the weights and C.
+    """
+    bottom = nn.Sequential(*list(model.stages)[:cut]).eval().requires_grad_(False)
+    if settings.name != "activation_gaussian":
+        return bottom
+    return lambda inputs: clip_per_sample(bottom(inputs), max_norm=settings.clip_norm)
+
+
 def attack(
     cfg: DictConfig,
     *,
@@ -169,11 +194,15 @@ def attack(
     labels = f" + label RR eps {settings.label_epsilon:g}" if settings.label_epsilon else ""
     if settings.gradient_noise_multiplier:
         labels += f" + gradient noise {settings.gradient_noise_multiplier:g}"
+    weights = weights_defence(to_object(cfg.aggregation))
     row: dict[str, float | str] = {
-        "privacy": settings.name + nopeek + labels,
+        "privacy": settings.name + nopeek + labels + weights,
         "sigma": settings.noise_multiplier if settings.accounted else 0.0,
         "clip": settings.clip_norm if settings.accounted else math.inf,
         "epsilon": history[-1].get("epsilon", math.inf),
+        # Client-level, on the uploaded weights (DP-FedAvg); inf: each device's weights reach
+        # the server as they are.
+        "update_epsilon": history[-1].get("update_epsilon", math.inf),
         "test_accuracy": history[-1]["test_accuracy"],
         "train_s": train_s,
     }
@@ -182,7 +211,14 @@ def attack(
             release, aux_inputs=data.aux, targets=data.targets, epochs=decoder_epochs,
             generator=generator,
         )
-        row |= {"ssim": result.ssim, "mse": result.mse}
+        # The same decoder attack on the average of linked releases of each example.
+        linked = invert(linked_releases(release, LINKED_RELEASES), aux_inputs=data.aux,
+                        targets=data.targets, epochs=decoder_epochs, generator=generator)
+        found = optimise_inversion(noiseless_release(model, cfg.model.cut, settings),
+                                   release(data.targets), shape=tuple(data.targets.shape[1:]),
+                                   steps=WHITEBOX_STEPS)
+        row |= {"ssim": result.ssim, "mse": result.mse, "ssim_linked": linked.ssim,
+                "ssim_whitebox": float(ssim(found, data.targets).mean())}
     if "dcor" in which:
         released = release(data.targets)
         row["dcor"] = distance_correlation(data.targets, released)
@@ -207,6 +243,15 @@ def attack(
             grads, data.target_labels, generator=generator
         )
     return row
+
+
+def weights_defence(aggregation: AggregationConfig) -> str:
+    """Name the table row's defence of the uploaded weights ("" for none)."""
+    text = " + SecAgg+" if aggregation.secure else ""
+    if aggregation.clipped:
+        text += (f" + DP-FedAvg sigma {aggregation.update_noise_multiplier:g} "
+                 f"C {aggregation.update_clip_norm:g}")
+    return text
 
 
 def server_seen_gradients(
@@ -242,9 +287,10 @@ def table_configs(
     dpsgd: tuple[float, float] | None = TABLE_DPSGD,
     nopeek: float | None = TABLE_NOPEEK,
     label_epsilon: float | None = TABLE_LABEL_EPSILON,
+    update_dp: tuple[float, float] | None = TABLE_UPDATE_DP,
     clip_norm: float = ACTIVATION_CLIP_NORM,
 ) -> list[DictConfig]:
-    """One config per row: no noise, each activation sigma, DP-SGD, NoPeek, label DP."""
+    """One config per row: no noise, each activation sigma, DP-SGD, NoPeek, label DP, SecAgg+."""
     rows = [["privacy=none"]]
     rows += [
         ["privacy=activation_gaussian", f"privacy.clip_norm={clip_norm}",
@@ -261,6 +307,10 @@ def table_configs(
         rows.append(["privacy=none", f"privacy.label_epsilon={label_epsilon}"])
     if protocol.name == "ushaped":
         rows.append(["privacy=none", f"privacy.gradient_noise_multiplier={TABLE_GRADIENT_NOISE}"])
+    if update_dp is not None and protocol.name != "sequential":  # a protocol that averages
+        rows.append(["privacy=none", "aggregation.secure=true",
+                     f"aggregation.update_noise_multiplier={update_dp[0]}",
+                     f"aggregation.update_clip_norm={update_dp[1]}"])
     configs = []
     for row in rows:
         cfg = compose_config([*ATTACK_DEFAULTS, *row, *overrides])
@@ -271,10 +321,11 @@ def table_configs(
 def format_table(rows: Sequence[dict[str, float | str]], *, delta: float) -> str:
     """Markdown privacy-utility table."""
     header = (
-        f"| privacy | sigma | C | epsilon (delta={delta:g}) | test acc | inversion SSIM | "
-        "inversion MSE | dCor | dCor² (bias-corrected) | label AUC (norm) | "
+        f"| privacy | sigma | C | epsilon (delta={delta:g}) | weights epsilon (client-level) | "
+        f"test acc | inversion SSIM | inversion MSE | SSIM, {LINKED_RELEASES} linked releases | "
+        "white-box SSIM | dCor | dCor² (bias-corrected) | label AUC (norm) | "
         "label AUC (direction) |\n"
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+        "| --- |" + " ---: |" * 13 + "\n"
     )
 
     def num(value: float | str, fmt: str) -> str:
@@ -283,8 +334,10 @@ def format_table(rows: Sequence[dict[str, float | str]], *, delta: float) -> str
 
     lines = [
         f"| {r['privacy']} | {num(r['sigma'], 'g')} | {num(r['clip'], 'g')} | "
-        f"{num(r['epsilon'], '.3g')} | {num(r['test_accuracy'], '.3f')} | "
-        f"{num(r['ssim'], '.3f')} | {num(r['mse'], '.4f')} | {num(r['dcor'], '.3f')} | "
+        f"{num(r['epsilon'], '.3g')} | {num(r['update_epsilon'], '.3g')} | "
+        f"{num(r['test_accuracy'], '.3f')} | "
+        f"{num(r['ssim'], '.3f')} | {num(r['mse'], '.4f')} | {num(r['ssim_linked'], '.3f')} | "
+        f"{num(r['ssim_whitebox'], '.3f')} | {num(r['dcor'], '.3f')} | "
         f"{num(r['dcor_corrected'], '.3f')} | "
         f"{num(r['auc_norm'], '.3f')} | {num(r['auc_direction'], '.3f')} |"
         for r in rows
@@ -304,6 +357,8 @@ def run_table(overrides: Sequence[str], *, out: Path | None = None,
         rows.append(row)
         print(f"{row['privacy']:>20} sigma={row['sigma']:<5g} eps={float(row['epsilon']):<10.4g} "
               f"acc={float(row['test_accuracy']):.3f} ssim={float(row['ssim']):.3f} "
+              f"(linked {float(row['ssim_linked']):.3f}, white-box "
+              f"{float(row['ssim_whitebox']):.3f}) "
               f"dcor={float(row['dcor']):.3f} (corrected {float(row['dcor_corrected']):.3f}) "
               f"auc={float(row['auc_norm']):.3f}/"
               f"{float(row['auc_direction']):.3f} ({float(row['train_s']):.0f}s training)",

@@ -12,6 +12,7 @@ those.
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +59,9 @@ class LocalGrid(Grid):
         TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, _RUN_ID, 0
 
     def _deliver(self, message: Message) -> Message:
+        # Each node decodes its own copy off the wire: one sent content is shared by many
+        # messages (Flower's SecAgg+ stages), and a ClientApp may change what it is handed.
+        message = copy.deepcopy(message)
         try:
             return self.client_app(message, self.contexts[message.metadata.dst_node_id])
         except Exception as err:  # noqa: BLE001 - a failing ClientApp is an error reply
@@ -109,12 +113,14 @@ def in_process_channels(endpoint: TrunkEndpoint):  # noqa: ANN201 - a ChannelFac
     return open_channel
 
 
-def run_local(cfg: DictConfig, *, concurrency: int = 1) -> TrainingResult:
+def run_local(cfg: DictConfig, *, concurrency: int = 1,
+              grid_type: type[LocalGrid] = LocalGrid) -> TrainingResult:
     """Run ``cfg`` through the shipped strategy, runtime and ClientApp, in this process.
 
     ``cfg.run_dir`` is used when set; otherwise the run folder is temporary. With
     trunk workers (``dataplane.trunk_workers`` > 1) the trunk lives in other processes,
-    so the clients reach it over gRPC.
+    so the clients reach it over gRPC. ``grid_type`` may be a :class:`LocalGrid`
+    subclass that also watches the messages (tests capture what the server receives).
     """
     with tempfile.TemporaryDirectory(prefix="local-run-") as tmp:
         if OmegaConf.is_missing(cfg, "run_dir"):
@@ -124,7 +130,7 @@ def run_local(cfg: DictConfig, *, concurrency: int = 1) -> TrainingResult:
             channels = (grpc_channel if runtime.workers is not None
                         else in_process_channels(runtime.endpoint))
             client_app = build_client_app(channels)
-            grid = LocalGrid(client_app, num_nodes=cfg.num_clients, concurrency=concurrency)
+            grid = grid_type(client_app, num_nodes=cfg.num_clients, concurrency=concurrency)
             return run_training(grid, runtime)
         finally:
             stop_runtime(runtime)

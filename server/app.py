@@ -62,7 +62,7 @@ from splitlearn.split import load_bottom_state
 from splitlearn.tracking import CompositeSink, make_sinks
 from splitlearn.wire import record_to_state, state_to_record
 from strategies.adaptive import CutPlanning, build_planner, prior_state
-from strategies.privacy import PrivacyBudgetGuard
+from strategies.privacy import UPDATE_WEIGHT_KEY, ClippedUpdateNoise, PrivacyBudgetGuard
 from strategies.reporting import RoundOutcome
 from strategies.resume import ResumedRounds
 from strategies.splitfed import DataPlaneAccess
@@ -223,7 +223,7 @@ def stop_runtime(runtime: SplitRuntime) -> None:
 
 
 def make_strategy(runtime: SplitRuntime, reporter: RoundReporter) -> Strategy:
-    """Build the protocol's strategy, wrapped by the privacy budget guard if privacy is on."""
+    """Build the protocol's strategy, wrapped by DP-FedAvg and the privacy budget guard if on."""
     cfg, protocol = runtime.cfg, runtime.protocol
     s = cfg.strategy
     kwargs: dict[str, Any] = {
@@ -241,8 +241,17 @@ def make_strategy(runtime: SplitRuntime, reporter: RoundReporter) -> Strategy:
         kwargs |= {"dataplane": dataplane_access(runtime), "trunk": runtime.trunk_side}
     if runtime.planning is not None:
         kwargs["planning"] = runtime.planning
+    aggregation = to_object(cfg.aggregation)
+    if aggregation.secure:
+        kwargs["secure_aggregation"] = aggregation
+    if aggregation.clipped:  # DP-FedAvg: every device counts the same in the average
+        kwargs["weighted_by_key"] = UPDATE_WEIGHT_KEY
     strategy = protocol.strategy(**kwargs)
     # Privacy wraps the protocol, as Flower's DP wrappers do.
+    if aggregation.clipped:
+        strategy = ClippedUpdateNoise(
+            strategy, noise_multiplier=aggregation.update_noise_multiplier,
+            clipping_norm=aggregation.update_clip_norm, delta=aggregation.update_delta)
     return PrivacyBudgetGuard(strategy) if runtime.spec.privacy.accounted else strategy
 
 

@@ -12,6 +12,7 @@ module does not import Hydra, so a device does not need it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -195,6 +196,14 @@ PRIVACY_NAMES = ("none", "activation_gaussian", "dpsgd_client")
 
 
 @dataclass
+class DevicePrivacyConfig:
+    """One device class's own privacy in a mixed fleet (``privacy.per_device.<profile>``)."""
+
+    noise_multiplier: float | None = None  # this class's sigma; None = the run's
+    epsilon_max: float | None = None  # this class's budget; None = the run's
+
+
+@dataclass
 class PrivacyConfig:
     """Privacy of what leaves a client (README "Privacy" says what epsilon covers)."""
 
@@ -214,6 +223,9 @@ class PrivacyConfig:
     # clip (isotropic, a Marvell-style defence of the labels). 0 = off.
     gradient_noise_multiplier: float = 0.0
     gradient_clip_norm: float = 1.0
+    # A mixed fleet: device preset -> its own sigma and budget (accounted options only), e.g.
+    # '+privacy.per_device={wearable: {epsilon_max: 2}}'; other presets use the settings above.
+    per_device: dict[str, DevicePrivacyConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.name not in PRIVACY_NAMES:
@@ -232,6 +244,9 @@ class PrivacyConfig:
             raise ValueError(f"privacy.label_epsilon must be a finite number > 0 or null, got "
                              f"{self.label_epsilon!r}")
         if self.name == "none":
+            if self.per_device:
+                raise ValueError(f"privacy.per_device={sorted(self.per_device)} sets noise and "
+                                 "budgets of an accounted option; privacy=none has neither")
             return
         if not self.clip_norm > 0:
             raise ValueError(f"privacy.clip_norm must be > 0, got {self.clip_norm!r}")
@@ -244,11 +259,95 @@ class PrivacyConfig:
             raise ValueError(f"privacy.delta must be in (0, 1), got {self.delta!r}")
         if self.epsilon_max is not None and not self.epsilon_max > 0:
             raise ValueError(f"privacy.epsilon_max must be > 0 or null, got {self.epsilon_max!r}")
+        for device, own in self.per_device.items():
+            for key in ("noise_multiplier", "epsilon_max"):
+                value = getattr(own, key)
+                if value is not None and not (math.isfinite(value) and value > 0):
+                    raise ValueError(f"privacy.per_device.{device}.{key} must be a finite "
+                                     f"number > 0 or null, got {value!r}")
+
+    def for_device(self, profile: str | None) -> PrivacyConfig:
+        """Return the settings a device of preset ``profile`` applies (its own, else the run's)."""
+        own = self.per_device.get(profile or "")
+        if own is None:
+            return self
+        return dataclasses.replace(
+            self, per_device={},
+            noise_multiplier=own.noise_multiplier or self.noise_multiplier,
+            epsilon_max=own.epsilon_max if own.epsilon_max is not None else self.epsilon_max)
 
     @property
     def accounted(self) -> bool:
         """Whether this option spends privacy budget (everything but ``none``)."""
         return self.name != "none"
+
+
+@dataclass
+class AggregationConfig:
+    """What the server learns of the client-side weights it averages (the Flower messages).
+
+    ``secure`` runs Flower's SecAgg+ on every training round (``secaggplus_mod`` on the
+    ClientApp, ``SecAggPlusWorkflow``'s four stages from the ServerApp): each device masks
+    its update, so the server learns the round's average and never one device's weights.
+    ``update_clip_norm`` > 0 is DP-FedAvg with client-side clipping (Flower's
+    ``DifferentialPrivacyClientSideFixedClipping``): each device bounds the L2 norm of its
+    update before it leaves, the average is uniform over devices, and the server adds
+    Gaussian noise of std ``update_noise_multiplier`` x clip / devices to it.
+    """
+
+    secure: bool = False
+    # SecAgg+ shares per device: a count (an integer >= 3) or, <= 1, a fraction of the round's
+    # devices (1.0: every device shares with every other, plain SecAgg).
+    num_shares: float = 1.0
+    # Shares that unmask a device: a count (integer >= 2, below num_shares) or, <= 1, a
+    # fraction of num_shares. Devices beyond the threshold may drop out mid-round.
+    reconstruction_threshold: float = 0.67
+    # Each device quantises (update x its weight share) in [-clipping_range, clipping_range]:
+    # a device whose update leaves the range refuses to mask it (it would be clipped).
+    clipping_range: float = 1.0
+    max_weight: float = 10000.0  # weights are examples / max_weight: at least the largest share
+    quantization_range: int = 4194304  # levels per coordinate (2^22, Flower's default)
+    update_clip_norm: float = 0.0  # DP-FedAvg: L2 bound of a device's update; 0 = off
+    update_noise_multiplier: float = 0.0  # sigma on the sum of clipped updates; 0 = clip only
+    update_delta: float = 1e-5  # the delta update-epsilon is reported at
+
+    def __post_init__(self) -> None:
+        for key in ("num_shares", "reconstruction_threshold", "clipping_range", "max_weight"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"aggregation.{key} must be a finite number > 0, got {value!r}")
+        for key in ("num_shares", "reconstruction_threshold"):
+            value = getattr(self, key)
+            if value > 1 and not float(value).is_integer():
+                raise ValueError(f"aggregation.{key}={value!r}: a count must be an integer "
+                                 "(or give a fraction <= 1)")
+        if 1 < self.num_shares < 3:
+            raise ValueError(f"aggregation.num_shares={self.num_shares!r}: a count must be >= 3 "
+                             "(or give a fraction <= 1)")
+        if 1 < self.reconstruction_threshold and 1 < self.num_shares <= \
+                self.reconstruction_threshold:
+            raise ValueError("aggregation.reconstruction_threshold="
+                             f"{self.reconstruction_threshold!r} must be below "
+                             f"aggregation.num_shares={self.num_shares!r}")
+        if self.quantization_range < 2:
+            raise ValueError("aggregation.quantization_range must be >= 2, got "
+                             f"{self.quantization_range!r}")
+        for key in ("update_clip_norm", "update_noise_multiplier"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"aggregation.{key} must be a finite number >= 0, got {value!r}")
+        if self.update_noise_multiplier and not self.update_clip_norm:
+            raise ValueError(f"aggregation.update_noise_multiplier={self.update_noise_multiplier}"
+                             " needs aggregation.update_clip_norm > 0 (noise without a bound "
+                             "protects nothing)")
+        if not 0 < self.update_delta < 1:
+            raise ValueError(f"aggregation.update_delta must be in (0, 1), got "
+                             f"{self.update_delta!r}")
+
+    @property
+    def clipped(self) -> bool:
+        """Whether devices clip their updates (DP-FedAvg)."""
+        return self.update_clip_norm > 0
 
 
 @dataclass
@@ -381,6 +480,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     failures: FailuresConfig = field(default_factory=FailuresConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)

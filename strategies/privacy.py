@@ -25,12 +25,15 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, Strategy
 
+from splitlearn.privacy.accounting import compute_epsilon
 from strategies.reporting import ReportingFedAvg, reply_status
 
 #: Status of a client that declined a round because its budget is spent.
 BUDGET_STATUS = "budget"
+#: Reply metric a device that clipped its update reports as 1: DP-FedAvg's uniform weight.
+UPDATE_WEIGHT_KEY = "update-weight"
 
 
 class PrivacyBudgetGuard(Strategy):
@@ -112,3 +115,96 @@ class PrivacyBudgetGuard(Strategy):
     ) -> MetricRecord | None:
         """Delegate (closes the wrapped strategy's sessions)."""
         return self.strategy.aggregate_evaluate(server_round, replies)
+
+
+def update_epsilon(*, noise_multiplier: float, releases: int, delta: float) -> float:
+    """Client-level epsilon of ``releases`` noised sums of clipped updates (RDP, no sampling).
+
+    Each round releases the sum of the finishing devices' clipped updates plus
+    Gaussian noise of std ``noise_multiplier x clip`` (then divided by their
+    number, which is post-processing): one Gaussian mechanism of that multiplier
+    at add/remove-one-device adjacency. No amplification by sampling is claimed:
+    the server chooses who takes part.
+    """
+    return compute_epsilon(history=[(noise_multiplier, 1.0, releases)], delta=delta)
+
+
+class ClippedUpdateNoise(DifferentialPrivacyClientSideFixedClipping):
+    """Flower's DP-FedAvg with client-side clipping, at the hooks our strategies add.
+
+    Flower's wrapper sends the clip bound in every train message (each device
+    clips its own update before it leaves, see ``clients.app``) and adds
+    Gaussian noise of std ``noise_multiplier x clip / n`` to the average. Here
+    ``n`` is the number of devices the wrapped strategy actually averaged, so the
+    noise on their sum is always ``noise_multiplier x clip`` (with Flower's fixed
+    ``num_sampled_clients`` a round with fewer finishers would get less). Rounds
+    keep the wrapped strategy's reporting: an error reply (a device whose app
+    failed) is left out before Flower's check, which would skip the whole
+    round, and the device counts as lost. The epsilon spent so far is each
+    round's ``update-epsilon`` metric.
+
+    Parameters
+    ----------
+    strategy : ReportingFedAvg | PrivacyBudgetGuard
+        The protocol's strategy (it must average uniformly: ``weighted_by_key``
+        ``update-weight``, which clipping devices report as 1).
+    noise_multiplier : float
+        Sigma; 0 clips without noise (no epsilon is reported).
+    clipping_norm : float
+        The L2 bound of one device's update.
+    delta : float
+        The delta epsilon is reported at.
+    """
+
+    def __init__(self, strategy: ReportingFedAvg, *, noise_multiplier: float,
+                 clipping_norm: float, delta: float) -> None:
+        super().__init__(strategy, noise_multiplier, clipping_norm, num_sampled_clients=1)
+        self.delta = delta
+        self.releases = 0
+        if noise_multiplier > 0:
+            strategy.extra_metrics = self._epsilon_after
+
+    @property
+    def num_sampled_clients(self) -> int:
+        """The devices the wrapped strategy averaged (the noise's divisor)."""
+        return max(self.strategy.averaged, 1)
+
+    @num_sampled_clients.setter
+    def num_sampled_clients(self, value: int) -> None:
+        """Ignore Flower's fixed count: the round's own is read when the noise is added."""
+
+    def _epsilon_after(self, finished: list[Message]) -> dict[str, float]:
+        return {"update-epsilon": update_epsilon(noise_multiplier=self.noise_multiplier,
+                                                 releases=self.releases + 1, delta=self.delta)}
+
+    def start(self, *, grid: Grid, **kwargs: Any) -> Any:
+        """Flower's loop over the wrapper's hooks, on the wrapped strategy's grid."""
+        return super().start(grid=self.wrap_grid(grid), **kwargs)
+
+    def wrap_grid(self, grid: Grid) -> Grid:
+        """Return the wrapped strategy's grid (secure aggregation runs its stages there)."""
+        return self.strategy.wrap_grid(grid)
+
+    def withdraw(self, nodes: Iterable[int]) -> None:
+        """Tell the wrapped strategy that ``nodes`` were not sent their messages."""
+        self.strategy.withdraw(nodes)
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Add the releases so far (the epsilon) to the wrapped strategy's state."""
+        return self.strategy.checkpoint() | {"update-releases": self.releases}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Continue from :meth:`checkpoint`'s state: the epsilon goes on from where it was."""
+        self.strategy.restore(saved)
+        self.releases = int(saved["update-releases"])
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Flower's clip-and-noise aggregation over the replies that are not errors."""
+        kept = [r for r in replies if not r.has_error()]
+        self.strategy.averaged = len(kept)  # Flower's count check; the strategy sets the exact one
+        arrays, metrics = super().aggregate_train(server_round, kept)
+        if arrays is not None and self.noise_multiplier > 0:
+            self.releases += 1
+        return arrays, metrics

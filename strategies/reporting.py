@@ -32,7 +32,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-from splitlearn.config import RunSpec, StrategyConfig, encode_spec
+from splitlearn.config import AggregationConfig, RunSpec, StrategyConfig, encode_spec
 
 #: Reply record of a client that did not finish: ``status`` and ``reason``.
 STATUS_KEY = "status"
@@ -193,6 +193,9 @@ class ReportingFedAvg(FedAvg):
         Called once per training round with its outcome.
     round_deadline_s : float, optional
         Virtual seconds; a client reporting a longer ``virtual-s`` is a straggler.
+    secure_aggregation : AggregationConfig, optional
+        Deliver training rounds through SecAgg+ (``aggregation.secure``): the
+        server learns only the average of the client-side weights.
     **fedavg_kwargs : Any
         Passed to :class:`flwr.serverapp.strategy.FedAvg`.
     """
@@ -208,6 +211,7 @@ class ReportingFedAvg(FedAvg):
         spec: RunSpec,
         on_round: Callable[[RoundOutcome], None] | None = None,
         round_deadline_s: float | None = None,
+        secure_aggregation: AggregationConfig | None = None,
         **fedavg_kwargs: Any,
     ) -> None:
         fedavg_kwargs.setdefault("train_metrics_aggr_fn", aggregate_split_metrics)
@@ -216,12 +220,17 @@ class ReportingFedAvg(FedAvg):
         self.spec = spec
         self.on_round = on_round
         self.round_deadline_s = round_deadline_s
+        self.secure_aggregation = secure_aggregation
+        #: Adds server-side metrics to a round's report (a wrapper's: DP-FedAvg's epsilon).
+        self.extra_metrics: Callable[[list[Message]], dict[str, float]] | None = None
         self._spec_text = encode_spec(spec)  # the same for every message of the run
         self._round_started = 0.0
         self._sent: dict[int, dict[str, tuple[tuple[int, ...], str]]] = {}  # node -> arrays
         #: The last training round's status of each node that replied.
         self.statuses: dict[int, str] = {}
         self._asked: list[Message] = []  # this round's train messages, as sent
+        #: How many replies the last training round averaged.
+        self.averaged = 0
 
     def summary(self) -> None:
         """Log FedAvg's settings plus the protocol's."""
@@ -230,8 +239,15 @@ class ReportingFedAvg(FedAvg):
             self.spec.model._target_ or self.spec.model.name, self.spec.model.cut)
 
     def wrap_grid(self, grid: Grid) -> Grid:
-        """Return the grid this protocol sends through (a hook: sequential SL takes turns)."""
-        return grid
+        """Return the grid this protocol sends through (a hook: sequential SL takes turns).
+
+        With secure aggregation, training rounds go through SecAgg+'s stages.
+        """
+        if self.secure_aggregation is None:
+            return grid
+        from strategies.secure import SecureAggregationGrid  # it reads this module's records
+
+        return SecureAggregationGrid(grid, self.secure_aggregation)
 
     def checkpoint(self) -> dict[str, Any]:
         """Return what carries over to the next round (a resumed run restores it)."""
@@ -247,7 +263,8 @@ class ReportingFedAvg(FedAvg):
 
     def round_record(self, node: int, server_round: int) -> dict[str, Any]:
         """Return the round's data for one client (split protocols add a session)."""
-        return {"server_round": server_round, "cut": self.spec.model.cut}
+        return {"server_round": server_round, "cut": self.spec.model.cut,
+                "protocol": self.protocol}
 
     def _typed(self, message: Message, server_round: int, kind: str) -> Message:
         node = message.metadata.dst_node_id
@@ -353,6 +370,7 @@ class ReportingFedAvg(FedAvg):
         problems = self._refuse_bad_arrays(replies, statuses)
         self.statuses = {r.metadata.src_node_id: s for r, s in zip(replies, statuses, strict=True)}
         finished = [r for r, s in zip(replies, statuses, strict=True) if s == "ok"]
+        self.averaged = len(finished)
         self.finish_round(server_round, finished)
         arrays, metrics = None, None
         if finished:
@@ -366,6 +384,8 @@ class ReportingFedAvg(FedAvg):
         report["failed-clients"] = len(replies) + len(lost) - len(finished)
         # Server-side wall time from sending the round to having every reply.
         report["round-train-s"] = round_train_s
+        if self.extra_metrics is not None and finished:
+            report |= self.extra_metrics(finished)
         if self.on_round is not None:
             rows = [client_row(r, s) | problems.get(i, {})
                     for i, (r, s) in enumerate(zip(replies, statuses, strict=True))]

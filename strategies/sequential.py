@@ -26,6 +26,7 @@ from flwr.serverapp import Grid
 
 from splitlearn.config import StrategyConfig
 from splitlearn.wire import record_to_state, state_to_record
+from strategies.grids import GridWrapper
 from strategies.reporting import arrays_problem, reply_status
 from strategies.splitfed import SplitFed
 
@@ -37,7 +38,7 @@ class SequentialOptions(StrategyConfig):
     name: str = "sequential"
 
 
-class TurnByTurnGrid(Grid):
+class TurnByTurnGrid(GridWrapper):
     """A grid that sends training messages one at a time, chaining the weights.
 
     Parameters
@@ -49,16 +50,13 @@ class TurnByTurnGrid(Grid):
     """
 
     def __init__(self, grid: Grid, strategy: SequentialSplit) -> None:
-        self.grid = grid
+        super().__init__(grid)
         self.strategy = strategy
 
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
+    def send_training(
+        self, messages: list[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        """Send evaluation as usual; training one turn at a time, from the latest weights."""
-        messages = list(messages)
-        if not messages or not messages[0].metadata.message_type.startswith("train"):
-            return self.grid.send_and_receive(messages, timeout=timeout)
+        """Send training one turn at a time, from the latest weights."""
         replies: list[Message] = []
         latest: ArrayRecord | None = None
         for message in messages:
@@ -68,26 +66,6 @@ class TurnByTurnGrid(Grid):
             replies += turn
             latest = self.strategy.after_turn(turn) or latest
         return replies
-
-    # The rest of the Grid interface is the real grid's.
-    def set_run(self, run):  # noqa: ANN001, ANN201, D102
-        return self.grid.set_run(run)
-
-    @property
-    def run(self):  # noqa: ANN201, D102
-        return self.grid.run
-
-    def create_message(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201, D102
-        return self.grid.create_message(*args, **kwargs)
-
-    def get_node_ids(self):  # noqa: ANN201, D102
-        return self.grid.get_node_ids()
-
-    def push_messages(self, messages):  # noqa: ANN001, ANN201, D102
-        return self.grid.push_messages(messages)
-
-    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201, D102
-        return self.grid.pull_messages(message_ids)
 
 
 class SequentialSplit(SplitFed):

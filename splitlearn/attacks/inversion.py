@@ -6,7 +6,10 @@ and noise multiplier are in the config it sends). It trains a decoder on pairs
 (released activations, input) computed from auxiliary data it owns, drawing
 fresh noise every epoch, then decodes the released rows of the target inputs
 (He et al., "Model inversion attacks against collaborative inference", 2019:
-the "inverse network" attack). One release per target is decoded.
+the "inverse network" attack). One release per target is decoded, or the average
+of several when the server can link them (:func:`linked_releases`).
+:func:`optimise_inversion` is the white-box attack beside it: a search in input
+space through the device's own layers.
 """
 
 from __future__ import annotations
@@ -155,3 +158,75 @@ def invert(
         ssim=float(ssim(reconstructions, targets).mean()),
         reconstructions=reconstructions,
     )
+
+
+def linked_releases(release: Callable[[Tensor], Tensor], count: int) -> Callable[[Tensor], Tensor]:
+    """Return a release that averages ``count`` independent releases of the same inputs.
+
+    What a server gains when it can link an example's releases (the same batch
+    order every epoch, repeated evaluations): fresh noise averages down by
+    ``sqrt(count)``. Decoding it with :func:`invert` trains the decoder on averaged
+    auxiliary releases too, as the attacker would.
+    """
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+
+    def averaged(inputs: Tensor) -> Tensor:
+        return torch.stack([release(inputs) for _ in range(count)]).mean(dim=0)
+
+    return averaged
+
+
+def total_variation(images: Tensor) -> Tensor:
+    """Mean absolute difference between neighbouring pixels (a smoothness prior)."""
+    across = (images[..., :, 1:] - images[..., :, :-1]).abs().mean()
+    down = (images[..., 1:, :] - images[..., :-1, :]).abs().mean()
+    return across + down
+
+
+def optimise_inversion(
+    forward: Callable[[Tensor], Tensor],
+    released: Tensor,
+    *,
+    shape: tuple[int, ...],
+    steps: int = 300,
+    lr: float = 0.1,
+    tv_weight: float = 0.01,
+) -> Tensor:
+    """White-box inversion: the images whose release is nearest to ``released``.
+
+    The server holds the device's layers (uploaded every round) and knows the
+    deterministic part of the release (clipping), so it searches input space for
+    images whose activations match what it received (He et al. 2019's white-box
+    attack; "rMLE" with a total-variation prior). Pixels are a sigmoid of free
+    parameters, so they stay in [0, 1].
+
+    Parameters
+    ----------
+    forward : Callable[[Tensor], Tensor]
+        Images -> the release without its noise (the device's layers, then clipping);
+        differentiable.
+    released : Tensor
+        What the device sent, one row per target.
+    shape : tuple[int, ...]
+        One image's shape ``(C, H, W)``.
+    steps, lr : int, float
+        Adam iterations and step size.
+    tv_weight : float
+        Weight of :func:`total_variation` relative to the mean squared activation error.
+
+    Returns
+    -------
+    Tensor
+        The reconstructions, ``(len(released), *shape)`` in [0, 1].
+    """
+    logits = torch.zeros(len(released), *shape, requires_grad=True)  # grey images
+    optimizer = torch.optim.Adam([logits], lr=lr)
+    target = released.detach().flatten(1)
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        images = torch.sigmoid(logits)
+        error = (forward(images).flatten(1) - target).pow(2).mean()
+        (error + tv_weight * total_variation(images)).backward()
+        optimizer.step()
+    return torch.sigmoid(logits).detach()

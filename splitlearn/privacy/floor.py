@@ -24,6 +24,10 @@ optional; a node without them accepts what the server asks):
 ``privacy-label-epsilon-max``
     The node requires label DP (``privacy.label_epsilon``) at this epsilon or
     below; a task without it, or above, is refused. Independent of the others.
+``privacy-secure-aggregation``
+    ``true``: the node sends its weights only masked by SecAgg+
+    (``aggregation.secure``); a training task that arrives any other way is
+    refused. Independent of the others.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ FLOOR_KEYS = {
     "max_delta": "privacy-max-delta",
     "epsilon_max": "privacy-epsilon-max",
     "label_epsilon_max": "privacy-label-epsilon-max",
+    "secure_aggregation": "privacy-secure-aggregation",
 }
+#: How a node config may spell a yes/no key.
+_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 class PrivacyFloorViolation(ValueError):
@@ -67,6 +74,8 @@ class PrivacyFloor:
         Its own budget.
     label_epsilon_max : float | None
         The largest label epsilon it accepts (it then requires label DP).
+    secure_aggregation : bool
+        Whether it sends its weights only through SecAgg+.
     """
 
     option: str | None = None
@@ -74,6 +83,7 @@ class PrivacyFloor:
     max_delta: float | None = None
     epsilon_max: float | None = None
     label_epsilon_max: float | None = None
+    secure_aggregation: bool = False
 
     def __post_init__(self) -> None:
         accepted = [n for n in PRIVACY_NAMES if n != "none"]
@@ -105,6 +115,9 @@ class PrivacyFloor:
             raw = node_config[key]
             if field == "option":
                 values[field] = str(raw)
+                continue
+            if field == "secure_aggregation":
+                values[field] = _boolean(key, raw)
                 continue
             if isinstance(raw, bool):
                 raise ValueError(f"{key} must be a number, got {raw!r}")
@@ -141,6 +154,13 @@ class PrivacyFloor:
                 f"the task asks for delta={settings.delta}; this node accepts at most "
                 f"{self.max_delta}")
 
+    def check_aggregation(self, *, secure: bool) -> None:
+        """Refuse (PrivacyFloorViolation) a training task whose weights would leave unmasked."""
+        if self.secure_aggregation and not secure:
+            raise PrivacyFloorViolation(
+                "the task would send this node's weights to the server unmasked; this node "
+                "requires secure aggregation (aggregation.secure=true)")
+
     def _check_labels(self, settings: PrivacyConfig) -> None:
         if self.label_epsilon_max is None:
             return
@@ -157,3 +177,13 @@ class PrivacyFloor:
         """Return the budget that applies: the tighter of the node's and the task's (or None)."""
         limits = [e for e in (self.epsilon_max, task_epsilon_max) if e is not None]
         return min(limits) if limits else None
+
+
+def _boolean(key: str, raw: object) -> bool:
+    """Read a yes/no node-config value (ValueError naming the key)."""
+    if isinstance(raw, bool):
+        return raw
+    word = str(raw).strip().lower()
+    if word not in _BOOLEANS:
+        raise ValueError(f"{key} must be true or false, got {raw!r}")
+    return _BOOLEANS[word]

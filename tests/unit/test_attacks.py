@@ -227,6 +227,39 @@ def test_inversion_reconstructs_through_an_invertible_release_and_fails_through_
     assert good.reconstructions.shape == targets.shape
 
 
+def test_white_box_inversion_finds_the_inputs_through_the_layers_and_not_through_noise():
+    from splitlearn.attacks import optimise_inversion
+
+    g = torch.Generator().manual_seed(1)
+    targets = (images(64, 4, seed=7) > 0.5).float()
+    mixing = torch.randn(16, 32, generator=g)
+
+    def forward(x):
+        return torch.relu(x.flatten(1) @ mixing)
+
+    released = forward(targets)
+    found = optimise_inversion(forward, released, shape=targets.shape[1:], steps=400)
+    noised = optimise_inversion(forward, released + 30.0 * torch.randn(released.shape, generator=g),
+                                shape=targets.shape[1:], steps=400)
+    assert found.shape == targets.shape and 0 <= float(found.min()) <= float(found.max()) <= 1
+    assert float(ssim(found, targets).mean()) > 0.8
+    assert float(ssim(noised, targets).mean()) < float(ssim(found, targets).mean()) - 0.4
+
+
+def test_linking_releases_averages_their_noise_down_by_the_root_of_their_number():
+    from splitlearn.attacks import linked_releases
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.zeros(2000, 4)
+
+    def release(inputs):
+        return inputs + torch.randn(inputs.shape, generator=g)
+
+    assert float(linked_releases(release, 16)(x).std()) == pytest.approx(0.25, rel=0.05)
+    with pytest.raises(ValueError, match="count"):
+        linked_releases(release, 0)
+
+
 def test_the_differentiable_dcor_is_the_statistic_and_its_gradient_lowers_it():
     from splitlearn.attacks.dcor import distance_correlation_tensor
 

@@ -26,13 +26,16 @@ def test_the_node_config_flower_parses_is_the_one_built(tmp_path):
     roots.write_text("pem")
     parsed = args("--data", str(data), "--root-certificates", str(roots), "--partition-id", "2",
                   "--num-partitions", "5", "--min-noise-multiplier", "1.5",
-                  "--privacy-option", "activation_gaussian", "--epsilon-max", "4")
+                  "--privacy-option", "activation_gaussian", "--epsilon-max", "4",
+                  "--secure-aggregation")
     built = node_config(parsed)
     # Flower's own parser reads back exactly what was meant.
     assert parse_config_args([format_node_config(built)]) == built
     assert built[DATA_KEY] == str(data) and built[TRUNK_ROOTS_KEY] == str(roots)
     assert built[PROFILE_KEY] == "mid_range_phone" and built["partition-id"] == 2
     assert built["privacy-min-noise-multiplier"] == 1.5 and built["privacy-epsilon-max"] == 4.0
+    assert built["privacy-secure-aggregation"] is True
+    assert "privacy-secure-aggregation" not in node_config(args())  # only when asked
     command = supernode_command(parsed)
     assert command[command.index("--root-certificates") + 1] == str(roots)
     assert "--insecure" not in command
