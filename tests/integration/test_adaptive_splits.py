@@ -1,4 +1,6 @@
-"""Per-client cuts through Flower's Simulation Engine: merges, moves and planners end to end."""
+"""Per-client cuts end to end: the merge through Flower's Simulation Engine (v1 == FedAvg),
+moves and planners through the shipped apps in process (the same strategy, ClientApp,
+trunk and run folder, without the engine's start-up)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.integration.test_simulation import read_clients, run_experiment
+from tests.integration.test_simulation import read_clients, run_experiment, run_in_process
 
 SMALL = ("strategy.num_rounds=2", "num_clients=3", "logger=none")
 #: Client k (by node id) takes cuts[(k + round) % 3]: cuts differ in a round and move.
@@ -45,7 +47,7 @@ def cuts_by_round(rows) -> dict[str, dict[str, int]]:
 
 
 def test_splitfed_v2_with_moving_cuts_trains_and_charges_the_weights_it_moves(tmp_path):
-    run_dir = run_experiment(tmp_path, "strategy=splitfed_v2", *ROTATING, *SMALL)
+    run_dir = run_in_process(tmp_path, "strategy=splitfed_v2", *ROTATING, *SMALL)
     rounds = rounds_of(run_dir)
     assert rounds[2]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.1
     rows = [r for r in read_clients(run_dir) if r["status"] == "ok"]
@@ -61,9 +63,9 @@ def test_splitfed_v2_with_moving_cuts_trains_and_charges_the_weights_it_moves(tm
 
 
 def test_smartsplit_selects_half_the_fleet_and_brings_back_the_rest(tmp_path):
-    """Through the engine: m = 2 of 4 alike clients train per round, and the two left out
-    in round 1 are first in line in round 2 (never tried), so no client is starved."""
-    run_dir = run_experiment(tmp_path, "strategy=splitfed_v2", "planner=smartsplit",
+    """m = 2 of 4 alike clients train per round, and the two left out in round 1 are first
+    in line in round 2 (never tried), so no client is starved."""
+    run_dir = run_in_process(tmp_path, "strategy=splitfed_v2", "planner=smartsplit",
                              "planner.select_fraction=0.5", "strategy.num_rounds=2",
                              "num_clients=4", "logger=none")
     trained = {}
@@ -77,10 +79,10 @@ def test_smartsplit_selects_half_the_fleet_and_brings_back_the_rest(tmp_path):
 
 
 def test_ushaped_with_moving_cuts_keeps_the_tail_and_labels_on_the_devices(tmp_path):
-    """U-shaped per-client cuts through the engine: every client gets its head and the tail,
+    """U-shaped per-client cuts: every client gets its head and the tail,
     a deeper cut more weights; the round trains; the trunk never sees labels (it refuses
     them) and the devices report the loss."""
-    run_dir = run_experiment(tmp_path, "strategy=ushaped", *ROTATING, *SMALL)
+    run_dir = run_in_process(tmp_path, "strategy=ushaped", *ROTATING, *SMALL)
     rounds = rounds_of(run_dir)
     assert rounds[2]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.1
     rows = [r for r in read_clients(run_dir) if r["status"] == "ok"]

@@ -14,6 +14,7 @@ import csv
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from flwr.app import Error, Message
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
@@ -67,8 +68,17 @@ def largest_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> fl
     return max(float(np.abs(a[k].astype(np.float64) - b[k]).max()) for k in a)
 
 
-def test_secure_fedavg_equals_fedavg_and_the_server_never_holds_a_device_weights(tmp_path):
-    plain, plain_replies = run(tmp_path, "plain")
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> dict[int | None, tuple[Path, list[Message]]]:
+    """The unmasked references, run once: every node, and without node 3 (it vanishes)."""
+    root = tmp_path_factory.mktemp("plain")
+    return {vanished: run(root, f"without-{vanished}", vanished=vanished)
+            for vanished in (None, 3)}
+
+
+def test_secure_fedavg_equals_fedavg_and_the_server_never_holds_a_device_weights(
+        tmp_path, plain):
+    plain, plain_replies = plain[None]
     secure, secure_replies = run(tmp_path, "secure", "aggregation.secure=true")
     bound = quantisation_bound(secure)
     assert 0 < largest_difference(weights(secure), weights(plain)) <= bound + 1e-6
@@ -83,14 +93,15 @@ def test_secure_fedavg_equals_fedavg_and_the_server_never_holds_a_device_weights
     assert [r["status"] for r in read_clients(secure)] == ["ok"] * 4
 
 
-def test_a_node_that_vanishes_after_sharing_its_keys_is_unmasked_out_of_the_sum(tmp_path):
-    plain, _ = run(tmp_path, "plain", vanished=2)
-    secure, _ = run(tmp_path, "secure", "aggregation.secure=true", vanished=2)
-    # Node 2 shared its keys (stages 0, 1) then vanished: the others' pairwise masks with it
+def test_a_node_that_vanishes_after_sharing_its_keys_is_unmasked_out_of_the_sum(
+        tmp_path, plain):
+    secure, _ = run(tmp_path, "secure", "aggregation.secure=true", vanished=3)
+    # Node 3 shared its keys (stages 0, 1) then vanished: the others' pairwise masks with it
     # are rebuilt from its key shares, and the sum is the other three devices' FedAvg.
-    assert largest_difference(weights(secure), weights(plain)) <= quantisation_bound(secure) + 1e-6
+    assert largest_difference(weights(secure), weights(plain[3][0])) <= \
+        quantisation_bound(secure) + 1e-6
     statuses = {r["node_id"]: r["status"] for r in read_clients(secure)}
-    assert statuses["2"] == "failed" and sorted(statuses.values()).count("ok") == 3
+    assert statuses["3"] == "failed" and sorted(statuses.values()).count("ok") == 3
 
 
 def test_a_declining_device_adds_nothing_and_says_why(tmp_path):
@@ -168,3 +179,54 @@ def test_a_node_that_requires_secure_aggregation_refuses_a_round_without_it(tmp_
         assert {r["status"] for r in rows} == {status}
         if status == "privacy":
             assert "requires secure aggregation" in rows[0]["reason"]
+
+
+def corrupt(configs, change: str) -> None:
+    """Spoil one field of a SecAgg+ reply the way a broken or hostile device might."""
+    key, _, how = change.partition(":")
+    if how == "drop":
+        del configs[key]
+    elif how == "type":
+        configs[key] = 7
+    elif how == "short":
+        configs[key] = list(configs[key])[:-1]
+    elif how == "stranger":
+        configs[key] = [99, *list(configs[key])[1:]]
+    elif how == "shape":
+        configs[key] = [configs[key][0], b"\x93NUMPY garbage"]
+
+
+class HostileGrid(LocalGrid):
+    """Node 3 spoils its reply in one SecAgg+ stage."""
+
+    stage, change = "", ""
+
+    def _deliver(self, message: Message) -> Message:
+        reply = super()._deliver(message)
+        configs = message.content.config_records.get(RECORD_KEY_CONFIGS, {})
+        if message.metadata.dst_node_id == 3 and configs.get(Key.STAGE) == self.stage:
+            corrupt(reply.content.config_records[RECORD_KEY_CONFIGS], self.change)
+        return reply
+
+
+@pytest.mark.parametrize("stage, change, node_3_in_the_sum", [
+    ("setup", f"{Key.PUBLIC_KEY_1}:drop", False),
+    ("share_keys", f"{Key.CIPHERTEXT_LIST}:short", False),
+    ("collect_masked_vectors", f"{Key.MASKED_PARAMETERS}:shape", False),
+    ("collect_masked_vectors", f"{Key.MASKED_PARAMETERS}:short", False),
+    ("unmask", f"{Key.NODE_ID_LIST}:stranger", True),
+])
+def test_a_malformed_secagg_reply_drops_its_node_and_the_round_goes_on(
+        tmp_path, plain, stage, change, node_3_in_the_sum):
+    HostileGrid.stage, HostileGrid.change = stage, change
+    cfg = compose_config([*BASE, "aggregation.secure=true"])
+    cfg.run_dir = str(tmp_path / "secure")
+    run_local(cfg, grid_type=HostileGrid)
+    # Refused before it reached Flower's workflow: it counts as a node that dropped out,
+    # SecAgg+ recovers, and the others' average is what FedAvg of them gives.
+    reference = plain[None if node_3_in_the_sum else 3][0]
+    secure = tmp_path / "secure"
+    assert largest_difference(weights(secure), weights(reference)) <= \
+        quantisation_bound(reference) + 1e-6
+    statuses = {r["node_id"]: r["status"] for r in read_clients(secure)}
+    assert statuses["3"] == ("ok" if node_3_in_the_sum else "failed")

@@ -260,6 +260,22 @@ def test_linking_releases_averages_their_noise_down_by_the_root_of_their_number(
         linked_releases(release, 0)
 
 
+def test_the_tables_linked_release_is_one_release_at_sigma_over_root_k():
+    """experiments.attack draws the average of k Gaussian releases at once, at sigma/sqrt(k)."""
+    from splitlearn.attacks import linked_releases
+    from splitlearn.privacy import GaussianActivationMechanism
+
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(4000, 6, generator=g)
+    averaged = linked_releases(GaussianActivationMechanism(
+        clip_norm=1.0, noise_multiplier=0.8, generator=g), 10)(rows)
+    at_once = GaussianActivationMechanism(clip_norm=1.0, noise_multiplier=0.8 / 10 ** 0.5,
+                                          generator=g)(rows)
+    clipped = rows / rows.norm(dim=1, keepdim=True).clamp(min=1.0)
+    assert float((averaged - clipped).std()) == pytest.approx(float((at_once - clipped).std()),
+                                                              rel=0.05)
+
+
 def test_the_differentiable_dcor_is_the_statistic_and_its_gradient_lowers_it():
     from splitlearn.attacks.dcor import distance_correlation_tensor
 
