@@ -1,14 +1,18 @@
-"""End to end: ``strategy=ushaped`` in Flower's Simulation Engine (2 rounds, 3 clients)."""
+"""End to end: ``strategy=ushaped`` through the shipped apps (2 rounds, 3 clients).
+
+In process (the same strategy, ClientApp, trunk and run folder, without the engine's
+start-up): the engine's own path is the other protocols' and has its own tests.
+"""
 
 from __future__ import annotations
 
 import json
 
-from tests.integration.test_simulation import read_clients, run_experiment
+from tests.integration.test_simulation import read_clients, run_in_process
 
 
 def test_ushaped_two_rounds_three_clients(tmp_path):
-    run_dir = run_experiment(
+    run_dir = run_in_process(
         tmp_path, "strategy=ushaped", "strategy.num_rounds=2", "num_clients=3", "logger=none"
     )
     config = json.loads((run_dir / "config.json").read_text())
