@@ -230,3 +230,23 @@ def test_a_malformed_secagg_reply_drops_its_node_and_the_round_goes_on(
         quantisation_bound(reference) + 1e-6
     statuses = {r["node_id"]: r["status"] for r in read_clients(secure)}
     assert statuses["3"] == ("ok" if node_3_in_the_sum else "failed")
+
+
+@pytest.mark.parametrize("strategy", ["splitfed_v1", "ushaped", "sglr", "local_loss"])
+def test_every_averaging_split_protocol_trains_through_secagg_with_dp(tmp_path, strategy):
+    """The same stages under each protocol's own round (its trunk side, its client arrays)."""
+    cfg = compose_config(["logger=none", f"strategy={strategy}", "num_clients=3",
+                          "strategy.num_rounds=1", "strategy.local_epochs=1",
+                          "aggregation.secure=true", "aggregation.update_clip_norm=2",
+                          "aggregation.update_noise_multiplier=0.1",
+                          "aggregation.clipping_range=2", "aggregation.max_weight=1"])
+    cfg.run_dir = str(tmp_path / strategy)
+    RecordingGrid.replies, RecordingGrid.vanished = [], None
+    run_local(cfg, grid_type=RecordingGrid)
+    assert [r["status"] for r in read_clients(tmp_path / strategy)] == ["ok"] * 3
+    # No device's weights reached the server: every array record it received is empty.
+    assert all(not any(len(a) for a in r.content.array_records.values())
+               for r in RecordingGrid.replies)
+    with open(tmp_path / strategy / "metrics.csv") as f:
+        assert float(list(csv.DictReader(f))[1]["update_epsilon"]) == update_epsilon(
+            noise_multiplier=0.1, releases=1, delta=1e-5)
