@@ -40,7 +40,16 @@ from splitlearn.dataplane import (
     TrunkService,
 )
 from splitlearn.dataplane import trunk_pb2 as pb
-from splitlearn.dataplane.codec import check_activations, check_labels, encode_tensor, present
+from splitlearn.dataplane.codec import (
+    AnyReply,
+    AnyRequest,
+    build,
+    check_activations,
+    check_labels,
+    encode_tensor,
+    present,
+    reply,
+)
 
 #: Per-row activation shapes of the payloads (float32, batch 32).
 PAYLOADS = (("1 KiB/row", (16, 4, 4)), ("8 KiB/row (SmallCNN, cut 1)", (32, 8, 8)),
@@ -56,7 +65,7 @@ class EchoSession:
         self.cut_shape = cut_shape
         self.limits = limits
 
-    def handle(self, session: object, request: pb.Request) -> pb.Reply:
+    def handle(self, session: object, request: AnyRequest) -> AnyReply:
         """Decode and check the activations and labels; reply with the activations."""
         part = request.forward
         acts = check_activations(present(part, "activations"), cut_shape=self.cut_shape,
@@ -65,7 +74,7 @@ class EchoSession:
                                  max_abs=self.limits.max_abs_value)
         check_labels(present(part, "labels"), batch=len(acts), num_classes=10,
                      max_bytes=self.limits.max_frame_bytes)
-        return pb.Reply(gradient=pb.Gradient(grad=encode_tensor(acts), loss=0.0, correct=0))
+        return reply("gradient", grad=encode_tensor(acts), loss=0.0, correct=0)
 
     def attach(self, session: object) -> None:
         """Nothing kept per stream."""
@@ -127,8 +136,8 @@ def measure_payload(shape: tuple[int, ...], limits: DataPlaneConfig, *, blocks: 
     token = tokens.issue(client="bench", protocol="echo", cut=1, server_round=1, ttl_s=3600)
     channel = TrunkChannel(GrpcTransport(service.address, token))
     acts, labels = torch.rand(BATCH, *shape), torch.randint(0, 10, (BATCH,))
-    frame = pb.Request(seq=1, forward=pb.Forward(
-        activations=encode_tensor(acts), labels=encode_tensor(labels))).SerializeToString()
+    frame = build(pb.Request, seq=1, forward={
+        "activations": encode_tensor(acts), "labels": encode_tensor(labels)}).SerializeToString()
     raw = RawEcho(4 * len(frame))
     ours, theirs = [], []
     try:

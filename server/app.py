@@ -17,6 +17,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -490,22 +491,60 @@ def config_from_run_config(run_config: dict[str, Any]) -> DictConfig:
     return cfg
 
 
+#: The project's loggers (Flower's own logger keeps its own handler).
+PROJECT_LOGGERS = ("server", "strategies", "splitlearn", "clients", "experiments", "protocols")
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+
+
+@contextmanager
+def run_log(run_dir: str | Path) -> Iterator[None]:
+    """Send the project's INFO logs to ``run_dir/run.log`` and to stderr while a run lasts.
+
+    ``python -m experiments.run`` has Hydra's logging for this; a ServerApp that
+    the SuperLink starts (``flwr run``) has none, and its logs (trunk addresses,
+    workers, refusals) would be lost. stderr is what ``flwr log`` shows.
+    """
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    handlers = [logging.FileHandler(Path(run_dir) / "run.log"), logging.StreamHandler()]
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    loggers = [logging.getLogger(name) for name in PROJECT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.INFO)
+        for handler in handlers:
+            logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+            for handler in handlers:
+                logger.removeHandler(handler)
+        for handler in handlers:
+            handler.close()
+
+
 def build_server_app(cfg: DictConfig | None = None) -> ServerApp:
-    """Build the ServerApp; with ``cfg=None`` the config comes from the run config."""
+    """Build the ServerApp; with ``cfg=None`` the config comes from the run config.
+
+    Without a config (``flwr run``) the ServerApp also keeps its own log in the run
+    folder (:func:`run_log`), as Hydra does for ``python -m experiments.run``.
+    """
     server_app = ServerApp()
     runtimes: list[SplitRuntime] = []  # one per lifespan; a list keeps it re-entrant
 
     @server_app.lifespan()
     def lifespan(context: Context) -> Iterator[None]:
-        runtime = start_runtime(
-            cfg if cfg is not None else config_from_run_config(dict(context.run_config))
-        )
-        runtimes.append(runtime)
-        try:
-            yield
-        finally:
-            runtimes.remove(runtime)
-            stop_runtime(runtime)
+        run_cfg = cfg if cfg is not None else config_from_run_config(dict(context.run_config))
+        with run_log(run_cfg.run_dir) if cfg is None else nullcontext():
+            runtime = start_runtime(run_cfg)
+            runtimes.append(runtime)
+            try:
+                yield
+            finally:
+                runtimes.remove(runtime)
+                stop_runtime(runtime)
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:

@@ -145,9 +145,10 @@ class ClippedUpdateNoise(DifferentialPrivacyClientSideFixedClipping):
 
     Parameters
     ----------
-    strategy : ReportingFedAvg | PrivacyBudgetGuard
-        The protocol's strategy (it must average uniformly: ``weighted_by_key``
-        ``update-weight``, which clipping devices report as 1).
+    strategy : ReportingFedAvg
+        The protocol's strategy, unwrapped (a :class:`PrivacyBudgetGuard` goes
+        around this wrapper); it must average uniformly: ``weighted_by_key``
+        ``update-weight``, which clipping devices report as 1.
     noise_multiplier : float
         Sigma; 0 clips without noise (no epsilon is reported).
     clipping_norm : float

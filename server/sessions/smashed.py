@@ -38,11 +38,15 @@ from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import (
+    AnyReply,
+    AnyRequest,
     FrameError,
     Reason,
+    build,
     encode_tensor,
 )
 from splitlearn.dataplane.endpoint import Session
+from splitlearn.dataplane.frames import Frame
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +104,11 @@ class SmashedSession:
         self._stopping = False
         self._worker: threading.Thread | None = None
 
-    def _checked(self, client: str, cut: int, part: pb.Smashed) -> _Batch:
+    def _checked(self, client: str, cut: int, part: Frame | pb.Smashed) -> _Batch:
         acts, labels = checked_batch(part, trunk=self.trunk, cut=cut, limits=self.limits)
         return _Batch(client, cut, acts, labels)
 
-    def handle(self, session: Session, request: pb.Request) -> pb.Reply:
+    def handle(self, session: Session, request: AnyRequest) -> AnyReply:
         """Validate a ``smashed`` frame like a split ``forward``, queue it, ``ack`` at once."""
         if request.WhichOneof("kind") != "smashed":
             raise FrameError(Reason.UNEXPECTED_KIND, "local-loss sessions send 'smashed', not "
@@ -208,7 +212,8 @@ class SmashedSession:
         FrameError
             Naming the first violated rule; the trunk is untouched.
         """
-        part = pb.Smashed(activations=encode_tensor(activations), labels=encode_tensor(labels))
+        part = build(pb.Smashed, activations=encode_tensor(activations),
+                     labels=encode_tensor(labels))
         batch = self._checked(client, cut, part)
         train_on_batch(self.trunk, cut, batch.activations, batch.labels)
         self.trained[client] += 1

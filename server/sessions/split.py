@@ -42,6 +42,8 @@ from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import (
+    AnyReply,
+    AnyRequest,
     FrameError,
     Reason,
     build,
@@ -50,6 +52,7 @@ from splitlearn.dataplane.codec import (
     encoder,
     magnitude,
     present,
+    reply,
 )
 from splitlearn.dataplane.endpoint import Session
 
@@ -197,7 +200,7 @@ class SplitSession:
         self.limits = limits
         self._encode = encoder(limits.compression, "downlink")  # the gradient at the cut
 
-    def handle(self, session: Session, request: pb.Request) -> pb.Reply:
+    def handle(self, session: Session, request: AnyRequest) -> AnyReply:
         """Validate the batch against the client's cut, then train or evaluate."""
         kind = request.WhichOneof("kind")
         if kind not in ("forward", "evaluate"):
@@ -211,10 +214,8 @@ class SplitSession:
         if kind == "evaluate":
             return build(pb.Reply, metrics=evaluate_batch(trunk, cut, acts, labels))
         result = self.train(session, trunk, acts, labels)
-        return build(pb.Reply, gradient={
-            "grad": self._encode(result.grad), "loss": float(result.losses.mean()),
-            "correct": int(result.hits.sum()),
-        })
+        return reply("gradient", grad=self._encode(result.grad),
+                     loss=float(result.losses.mean()), correct=int(result.hits.sum()))
 
     def train(self, session: Session, trunk: Trunk, acts: Tensor, labels: Tensor) -> StepResult:
         """Step ``trunk`` on one batch (the hook a batching protocol overrides)."""

@@ -40,14 +40,16 @@ from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import (
+    AnyReply,
+    AnyRequest,
     FrameError,
     Reason,
-    build,
     check_activations,
     check_gradient,
     encoder,
     magnitude,
     present,
+    reply,
 )
 from splitlearn.dataplane.endpoint import Session
 
@@ -102,7 +104,7 @@ class UShapedSession:
     def _params(self, cut: int) -> list[Tensor]:
         return [p for s in self.trunk.model.stages[cut:self.tail_cut] for p in s.parameters()]
 
-    def handle(self, session: Session, request: pb.Request) -> pb.Reply:
+    def handle(self, session: Session, request: AnyRequest) -> AnyReply:
         """Answer one U-shaped request; nothing label-derived is ever accepted."""
         kind = request.WhichOneof("kind")
         cut = session.grant.cut
@@ -111,7 +113,7 @@ class UShapedSession:
                              f"below the tail cut {self.tail_cut}")
         if kind == "backward":
             grad = self._step(session, request.backward)
-            return build(pb.Reply, gradient={"grad": self._encode(grad)})
+            return reply("gradient", grad=self._encode(grad))
         if kind not in ("forward", "evaluate"):
             raise FrameError(Reason.UNEXPECTED_KIND, f"U-shaped sessions send 'forward', "
                              f"'backward' or 'evaluate', not {kind!r}")
@@ -127,10 +129,9 @@ class UShapedSession:
         if kind == "evaluate":
             with torch.no_grad(), self.trunk.forward_only(train=False):
                 features = self.trunk.run(acts, cut, self.tail_cut)
-            return build(pb.Reply, features={"features": self._encode(features)})
+            return reply("features", features=self._encode(features))
         features, replaced = self._forward(session, cut, acts)
-        return build(pb.Reply, features={"features": self._encode(features),
-                                         "replaced_pending": replaced})
+        return reply("features", features=self._encode(features), replaced_pending=replaced)
 
     def _forward(self, session: Session, cut: int, activations: Tensor) -> tuple[Tensor, bool]:
         acts = activations.detach().requires_grad_(True)

@@ -1,6 +1,7 @@
 """The data plane: per-batch tensors between devices and the server's trunk.
 
-``trunk.proto`` is the contract (compiled to ``trunk_pb2``); :mod:`.codec` checks
+``trunk.proto`` is the contract (compiled to ``trunk_pb2``); :mod:`.frames` writes and
+reads its messages without copying tensor bytes, :mod:`.codec` encodes tensors and checks
 frames, :mod:`.tokens` grants sessions, :mod:`.endpoint` serves them without a
 transport, :mod:`.service` over gRPC, and :mod:`.channel` is the client side.
 """

@@ -22,8 +22,9 @@ import torch
 
 from splitlearn.config import CompressionConfig
 from splitlearn.dataplane import trunk_pb2 as pb
-from splitlearn.dataplane.codec import build, decode_tensor, encode_tensor, encoder
+from splitlearn.dataplane.codec import decode_tensor, encode_tensor, encoder, request
 from splitlearn.dataplane.endpoint import SessionRefused, TrunkEndpoint
+from splitlearn.dataplane.frames import Frame, read
 from splitlearn.dataplane.service import EXCHANGE_METHOD, TOKEN_METADATA_KEY
 
 #: Largest reply a client accepts (gradients are the size of the activations).
@@ -264,21 +265,21 @@ class TrunkChannel:
         self._seq += 1
         return self._seq
 
-    def _send(self, **kind: object) -> None:
-        data = build(pb.Request, seq=self.next_seq(), **kind).SerializeToString()
+    def _send(self, kind: str, **tensors: Frame) -> None:
+        data = request(self.next_seq(), kind, **tensors).SerializeToString()
         started = time.perf_counter()
         self.transport.send(data)
         self.wait_s += time.perf_counter() - started
         self.bytes_up += len(data)
 
-    def _receive(self, expect: str) -> pb.Reply:
+    def _receive(self, expect: str) -> Frame | pb.Reply:
         started = time.perf_counter()
         data = self.transport.receive(self.reply_timeout_s)
         self.wait_s += time.perf_counter() - started
         self.bytes_down += len(data)
         try:
-            reply = pb.Reply.FromString(data)
-        except Exception as err:  # noqa: BLE001 - a broken reply fails the session
+            reply = read(pb.Reply, data)  # a large reply's tensors are views of ``data``
+        except ValueError as err:  # a broken reply fails the session
             raise TrunkRejected(f"undecodable reply: {err}") from None
         kind = reply.WhichOneof("kind")
         if kind == "refusal":
@@ -288,12 +289,12 @@ class TrunkChannel:
             raise TrunkRejected(f"unexpected reply {kind!r}; expected {expect!r}")
         return reply
 
-    def _call(self, expect: str, **kind: object) -> pb.Reply:
+    def _call(self, expect: str, kind: str, **tensors: Frame) -> Frame | pb.Reply:
         self.flush()  # replies come in order: collect the acks of earlier one-way frames
-        self._send(**kind)
+        self._send(kind, **tensors)
         return self._receive(expect)
 
-    def _tensor(self, msg: pb.Tensor, name: str) -> torch.Tensor:
+    def _tensor(self, msg: Frame | pb.Tensor, name: str) -> torch.Tensor:
         try:
             return decode_tensor(msg, name=name, max_bytes=self.max_frame_bytes)
         except ValueError as err:
@@ -305,32 +306,32 @@ class TrunkChannel:
         self, activations: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, float, int]:
         """Train on one batch; return the gradient at the cut, the mean loss and hits."""
-        reply = self._call("gradient", forward={
-            "activations": self._encode(activations), "labels": encode_tensor(labels)})
+        reply = self._call("gradient", "forward", activations=self._encode(activations),
+                           labels=encode_tensor(labels))
         grad = self._tensor(reply.gradient.grad, "grad")
         return grad, reply.gradient.loss, int(reply.gradient.correct)
 
     def evaluate(self, activations: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
         """Mean loss and hits of one batch, without an update."""
-        reply = self._call("metrics", evaluate={
-            "activations": self._encode(activations), "labels": encode_tensor(labels)})
+        reply = self._call("metrics", "evaluate", activations=self._encode(activations),
+                           labels=encode_tensor(labels))
         return reply.metrics.loss, int(reply.metrics.correct)
 
     # --- U-shaped: labels stay on the device ----------------------------------------
 
     def forward_features(self, activations: torch.Tensor) -> torch.Tensor:
         """Send activations (no labels); return the trunk's features (it keeps the graph)."""
-        reply = self._call("features", forward={"activations": self._encode(activations)})
+        reply = self._call("features", "forward", activations=self._encode(activations))
         return self._tensor(reply.features.features, "features")
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor:
         """Send d loss / d features of the pending batch; return the gradient at the cut."""
-        reply = self._call("gradient", backward={"grad": self._encode(grad)})
+        reply = self._call("gradient", "backward", grad=self._encode(grad))
         return self._tensor(reply.gradient.grad, "grad")
 
     def evaluate_features(self, activations: torch.Tensor) -> torch.Tensor:
         """Return the trunk's features for one batch, without a graph or an update."""
-        reply = self._call("features", evaluate={"activations": self._encode(activations)})
+        reply = self._call("features", "evaluate", activations=self._encode(activations))
         return self._tensor(reply.features.features, "features")
 
     # --- local loss: one way ---------------------------------------------------------
@@ -339,8 +340,8 @@ class TrunkChannel:
         """Send one batch of smashed data without waiting, unless ``window`` are unacked."""
         while self._in_flight >= self.window:
             self._collect_ack()
-        self._send(smashed={
-            "activations": self._encode(activations), "labels": encode_tensor(labels)})
+        self._send("smashed", activations=self._encode(activations),
+                   labels=encode_tensor(labels))
         self._in_flight += 1
 
     def flush(self) -> None:

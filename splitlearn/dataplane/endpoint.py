@@ -21,7 +21,14 @@ from typing import Protocol
 
 from splitlearn.config import DataPlaneConfig
 from splitlearn.dataplane import trunk_pb2 as pb
-from splitlearn.dataplane.codec import FrameError, Reason, decode_request, refusal
+from splitlearn.dataplane.codec import (
+    AnyReply,
+    AnyRequest,
+    FrameError,
+    Reason,
+    decode_request,
+    refusal,
+)
 from splitlearn.dataplane.tokens import SessionGrant, TokenRegistry
 
 log = logging.getLogger(__name__)
@@ -49,8 +56,12 @@ class Session:
 class SessionHandler(Protocol):
     """A protocol's trunk side: answers the requests of the sessions it was granted."""
 
-    def handle(self, session: Session, request: pb.Request) -> pb.Reply:
-        """Answer one request; raise :class:`FrameError` to refuse it (changing nothing)."""
+    def handle(self, session: Session, request: AnyRequest) -> AnyReply:
+        """Answer one request; raise :class:`FrameError` to refuse it (changing nothing).
+
+        The request reads like a ``pb.Request`` (a :class:`Frame` on the wire's path);
+        build the reply with :func:`~splitlearn.dataplane.codec.build`.
+        """
         ...
 
     def attach(self, session: Session) -> None:

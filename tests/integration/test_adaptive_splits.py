@@ -20,6 +20,7 @@ def rounds_of(run_dir):
     return json.loads((run_dir / "metrics.json").read_text())
 
 
+@pytest.mark.serial
 def test_splitfed_v1_with_different_and_moving_cuts_is_fedavg_of_the_whole_model(tmp_path):
     """A trunk copy per client: each client trains every stage once, split between its
     two copies, and every stage is averaged by samples, so the cuts cannot matter."""

@@ -52,7 +52,8 @@ def trunk_params(server) -> list[torch.Tensor]:
 
 def forward_request(activations: torch.Tensor, labels: torch.Tensor, seq: int) -> bytes:
     return pb.Request(seq=seq, forward=pb.Forward(
-        activations=encode_tensor(activations), labels=encode_tensor(labels))).SerializeToString()
+        activations=encode_tensor(activations).to_proto(),
+        labels=encode_tensor(labels).to_proto())).SerializeToString()
 
 
 LABELS = torch.zeros(4, dtype=torch.int64)

@@ -273,7 +273,7 @@ def checkpointed_round(run_dir: Path) -> int:
         return 0
 
 
-@pytest.mark.slow
+@pytest.mark.serial
 def test_deployment_with_tls_node_auth_devices_that_vanish_and_a_serverapp_that_resumes(
         tmp_path, deployment):
     """SuperLink + 3 devices (clients.connect), 3 rounds, TLS everywhere, and two crashes.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.serial
 
 
 def pids_mentioning(text: str) -> list[int]:
@@ -57,7 +59,9 @@ def flwr_home(tmp_path):
         os.kill(pid, signal.SIGTERM)
 
 
-def test_flwr_run_trains_with_the_same_apps(tmp_path, flwr_home):
+def test_flwr_run_trains_with_the_same_apps_and_trunk_workers(tmp_path, flwr_home):
+    """The ServerApp as the SuperLink starts it, with its trunk sharded over two worker
+    processes (the ServerApp's children), which stop with it."""
     run_dir = tmp_path / "run"
     env = os.environ | {
         "FLWR_HOME": str(flwr_home),
@@ -67,9 +71,10 @@ def test_flwr_run_trains_with_the_same_apps(tmp_path, flwr_home):
     flwr = Path(sys.executable).with_name("flwr")
     # Without --stream: `flwr run` submits the run and returns; the SuperLink's record says
     # when it is over (a log stream was seen to outlive its run by minutes under load).
+    overrides = "strategy.num_rounds=2 logger=none dataplane.trunk_workers=2"
     proc = subprocess.run(
         [str(flwr), "run", ".",
-         "--run-config", f'overrides="strategy.num_rounds=2 logger=none" run-dir="{run_dir}"',
+         "--run-config", f'overrides="{overrides}" run-dir="{run_dir}"',
          "--federation-config", "num-supernodes=3"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
@@ -80,3 +85,10 @@ def test_flwr_run_trains_with_the_same_apps(tmp_path, flwr_home):
     assert all(r["clients"] == 3 and r["failed_clients"] == 0 for r in rounds[1:])
     assert rounds[2]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.2
     assert json.loads((run_dir / "config.json").read_text())["strategy"]["num_rounds"] == 2
+    # The ServerApp keeps its log in the run folder, as under experiments.run; it names the
+    # trunk workers.
+    log = (run_dir / "run.log").read_text()
+    found = re.search(r"trunk workers serving at .* \(pids ([\d, ]+)\)", log)
+    assert found, log[-3000:]
+    pids = [int(p) for p in found.group(1).split(", ")]
+    assert len(pids) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in pids)

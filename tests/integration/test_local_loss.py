@@ -9,7 +9,7 @@ import pytest
 from tests.integration.test_simulation import read_clients, run_experiment, run_in_process
 
 
-@pytest.mark.parametrize("mode", ["streaming", "bulk"])
+@pytest.mark.parametrize("mode", [pytest.param("streaming", marks=pytest.mark.serial), "bulk"])
 def test_local_loss_two_rounds_three_clients(tmp_path, mode):
     overrides = ["strategy=local_loss", "strategy.num_rounds=2", "num_clients=3", "logger=none"]
     if mode == "bulk":

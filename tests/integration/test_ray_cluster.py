@@ -62,6 +62,7 @@ def ray_head():
     assert not pids_mentioning(str(temp)), "a process of the Ray head outlived the test"
 
 
+@pytest.mark.serial
 def test_a_run_attached_to_a_ray_cluster_trains_in_its_workers(tmp_path, ray_head):
     address, temp = ray_head
     run_dir = run_experiment(

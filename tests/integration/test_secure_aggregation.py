@@ -144,6 +144,7 @@ def test_dp_fedavg_noise_has_the_std_of_sigma_clip_over_devices(tmp_path):
     assert {r["status"] for r in rows} == {"ok"} and {r["update_weight"] for r in rows} == {"1.0"}
 
 
+@pytest.mark.serial
 def test_splitfed_with_secure_aggregation_and_dp_fedavg_in_the_simulation_engine(tmp_path):
     run_dir = run_experiment(
         tmp_path, "logger=none", "num_clients=3", "strategy.num_rounds=2",

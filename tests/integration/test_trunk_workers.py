@@ -11,9 +11,7 @@ merged by samples), round by round.
 from __future__ import annotations
 
 import copy
-import json
 import os
-import re
 from contextlib import closing
 
 import pytest
@@ -27,7 +25,6 @@ from server.workers import TrunkWorkers, WorkerError
 from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
 from tests.conftest import small_config
 from tests.helpers import max_param_diff
-from tests.integration.test_simulation import run_experiment
 
 CUT = 1
 
@@ -142,13 +139,3 @@ def test_one_client_per_worker_without_momentum_is_splitfed_v1(tmp_path):
         assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-4, abs=1e-5)
     assert max_param_diff(ours.model, v1.model) < 1e-5
 
-
-def test_a_run_through_the_simulation_engine_learns_with_two_workers(tmp_path):
-    run_dir = run_experiment(tmp_path, "dataplane.trunk_workers=2", "strategy.num_rounds=2",
-                             "num_clients=3", "logger=none")
-    rounds = json.loads((run_dir / "metrics.json").read_text())
-    assert rounds[2]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.1
-    log = (run_dir / "run.log").read_text()
-    pids = [int(p) for p in re.search(r"trunk workers serving at .* \(pids ([\d, ]+)\)",
-                                      log).group(1).split(", ")]
-    assert len(pids) == 2 and not any(alive(pid) for pid in pids)

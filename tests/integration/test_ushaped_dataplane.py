@@ -157,10 +157,10 @@ def test_protocol_violations_are_refused_with_reasons_and_change_nothing(
 
     with pytest.raises(TrunkRejected, match="NO_PENDING_FORWARD"):
         channel.backward(torch.zeros(4, *reference.cut_shape(tail_cut)))
-    reply = raw(channel, forward=pb.Forward(activations=encode_tensor(acts),
-                                            labels=encode_tensor(y)))
+    reply = raw(channel, forward=pb.Forward(activations=encode_tensor(acts).to_proto(),
+                                            labels=encode_tensor(y).to_proto()))
     assert "keep labels on the device" in reply.refusal.detail
-    reply = raw(channel, smashed=pb.Smashed(activations=encode_tensor(acts)))
+    reply = raw(channel, smashed=pb.Smashed(activations=encode_tensor(acts).to_proto()))
     assert pb.Refusal.Reason.Name(reply.refusal.reason) == "UNEXPECTED_KIND"
     assert server.handler.pending_sessions == 0
 
@@ -191,7 +191,7 @@ def test_a_second_forward_replaces_the_pending_one(trunk_server_factory):
     first = head(fixed_batches(1, batch=4)[0][0]).detach()
     second = head(fixed_batches(1, batch=6, seed=1)[0][0]).detach()
     channel.forward_features(first)
-    reply = raw(channel, forward=pb.Forward(activations=encode_tensor(second)))
+    reply = raw(channel, forward=pb.Forward(activations=encode_tensor(second).to_proto()))
     assert reply.WhichOneof("kind") == "features" and reply.features.replaced_pending
     assert server.handler.replaced == 1
     with pytest.raises(TrunkRejected, match="BAD_TENSOR"):  # the batch of 4 is gone

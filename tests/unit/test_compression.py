@@ -81,7 +81,7 @@ def test_int8_sends_relus_zeros_as_bits_and_decodes_the_same_values():
     zeros = float((wire(x, "int8") == 0).float().mean())
     per_value = 1 / 8 + (1 - zeros)  # a mask bit, and a byte per non-zero value
     assert size(x, "none") / size(x, "int8") == pytest.approx(4 / per_value, rel=0.01)
-    dense = pb.Tensor(dtype=pb.INT8, shape=x.shape, scales=q.scales,
+    dense = pb.Tensor(dtype=pb.INT8, shape=x.shape, scales=bytes(q.scales),
                       data=torch.round(x.reshape(32, -1) / torch.frombuffer(
                           bytearray(q.scales), dtype=torch.float32)[:, None]
                       ).to(torch.int8).numpy().tobytes())

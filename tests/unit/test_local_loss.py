@@ -123,7 +123,7 @@ def wait_for(condition, what: str) -> None:
 
 
 def smashed_request(channel: TrunkChannel, **tensors: Tensor) -> bytes:
-    part = pb.Smashed(**{k: encode_tensor(v) for k, v in tensors.items()})
+    part = pb.Smashed(**{k: encode_tensor(v).to_proto() for k, v in tensors.items()})
     return pb.Request(seq=channel.next_seq(), smashed=part).SerializeToString()
 
 
@@ -420,7 +420,8 @@ def test_the_session_trains_exactly_the_valid_frames_and_refuses_the_rest(
             assert pb.Refusal.Reason.Name(refused.refusal.reason) == reason
             assert detail in refused.refusal.detail
     wrong_kind = pb.Request(seq=channel.next_seq(), forward=pb.Forward(
-        activations=encode_tensor(good[0][0]), labels=encode_tensor(good[0][1])))
+        activations=encode_tensor(good[0][0]).to_proto(),
+        labels=encode_tensor(good[0][1]).to_proto()))
     reply = send_raw(channel, wrong_kind.SerializeToString())
     assert pb.Refusal.Reason.Name(reply.refusal.reason) == "UNEXPECTED_KIND"
     server.handler.finish_round(["mixed"])

@@ -85,7 +85,7 @@ def grant_session(client: str, *, cut: int = CUT, protocol: str = "splitfed_v2")
 
 def forward_request(acts: Tensor, labels: Tensor, seq: int = 1) -> pb.Request:
     return pb.Request(seq=seq, forward=pb.Forward(
-        activations=encode_tensor(acts), labels=encode_tensor(labels)))
+        activations=encode_tensor(acts).to_proto(), labels=encode_tensor(labels).to_proto()))
 
 
 def reply_grad(reply: pb.Reply) -> Tensor:
@@ -176,7 +176,7 @@ def test_steps_samples_and_busy_seconds_are_booked_once_per_step(fake_clock):
     handler.handle(session, forward_request(acts[:5], labels[:5]))
     assert (trunk.steps, trunk.samples, trunk.busy_s) == (2, 13, 4.0)
     evaluate = pb.Request(seq=2, evaluate=pb.Evaluate(
-        activations=encode_tensor(acts), labels=encode_tensor(labels)))
+        activations=encode_tensor(acts).to_proto(), labels=encode_tensor(labels).to_proto()))
     assert handler.handle(session, evaluate).WhichOneof("kind") == "metrics"
     assert (trunk.steps, trunk.samples, trunk.busy_s) == (2, 13, 5.0)
 

@@ -88,12 +88,12 @@ def refusal_of(reply: pb.Reply) -> str:
 
 
 def raw_forward(channel: TrunkChannel, **tensors: Tensor) -> pb.Reply:
-    part = pb.Forward(**{k: encode_tensor(v) for k, v in tensors.items()})
+    part = pb.Forward(**{k: encode_tensor(v).to_proto() for k, v in tensors.items()})
     return send_raw(channel, pb.Request(seq=channel.next_seq(), forward=part).SerializeToString())
 
 
 def raw_backward(channel: TrunkChannel, grad: Tensor | None) -> pb.Reply:
-    part = pb.Backward() if grad is None else pb.Backward(grad=encode_tensor(grad))
+    part = pb.Backward() if grad is None else pb.Backward(grad=encode_tensor(grad).to_proto())
     return send_raw(channel, pb.Request(seq=channel.next_seq(), backward=part).SerializeToString())
 
 
@@ -263,7 +263,8 @@ def test_the_trunk_refuses_frames_that_carry_labels(trunk_server_factory):
     acts, labels = head_acts(model, 1), torch.arange(4)
     before = trunk_state(server)
     for kind in ("forward", "evaluate"):
-        part = {"activations": encode_tensor(acts), "labels": encode_tensor(labels)}
+        part = {"activations": encode_tensor(acts).to_proto(),
+                "labels": encode_tensor(labels).to_proto()}
         request = pb.Request(seq=channel.next_seq(), **{kind: getattr(pb, kind.title())(**part)})
         reply = send_raw(channel, request.SerializeToString())
         assert refusal_of(reply) == "BAD_TENSOR" and "labels" in reply.refusal.detail
