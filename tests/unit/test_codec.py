@@ -22,7 +22,9 @@ from splitlearn.dataplane.codec import (
     decode_request,
     decode_tensor,
     encode_tensor,
+    request,
 )
+from splitlearn.dataplane.frames import SMALL_FRAME_BYTES
 from tests.conftest import digits_like_model
 
 MAX = 1 << 20
@@ -154,6 +156,48 @@ def test_structured_garbage_is_refused_and_the_trunk_stays_finite(kind, activati
     reply = pb.Reply.FromString(endpoint.handle(session, request.SerializeToString(), peer="f"))
     assert reply.WhichOneof("kind") == "refusal"  # nothing here is a valid batch
     assert pb.Refusal.Reason.Name(reply.refusal.reason) != "REPLAYED"
+    assert all(torch.isfinite(p).all() for p in trunk.model.parameters())
+
+
+LARGE_TARGET = fuzz_endpoint()
+#: A valid forward of 16 rows at cut 1 (128 KiB).
+LARGE_BATCH = (torch.rand(16, 32, 8, 8), torch.arange(16) % 10)
+
+
+#: Edits of a frame: where (bytes from its head, or back from its tail, where the headers,
+#: lengths and labels are), what (flip a byte, cut there, insert bytes) and with what.
+EDITS = st.lists(st.tuples(st.booleans(), st.integers(0, 200),
+                           st.sampled_from(["flip", "cut", "insert"]),
+                           st.binary(min_size=1, max_size=8)), min_size=1, max_size=4)
+
+
+def damaged(data: bytes, edits: list[tuple[bool, int, str, bytes]]) -> bytes:
+    buf = bytearray(data)
+    for from_head, offset, op, value in edits:
+        if not buf:
+            break
+        at = min(offset, len(buf) - 1) if from_head else max(len(buf) - 1 - offset, 0)
+        if op == "flip":
+            buf[at] = value[0]
+        elif op == "cut":
+            del buf[at:]
+        else:
+            buf[at:at] = value
+    return bytes(buf)
+
+
+@FUZZ
+@given(EDITS)
+def test_damaged_large_frames_get_a_reason_and_the_trunk_stays_finite(edits):
+    endpoint, session, trunk = LARGE_TARGET
+    acts, labels = LARGE_BATCH
+    frame = request(next(SEQ), "forward", activations=encode_tensor(acts),
+                    labels=encode_tensor(labels)).SerializeToString()
+    assert len(frame) >= SMALL_FRAME_BYTES  # read as a Frame, not by protobuf
+    reply = pb.Reply.FromString(endpoint.handle(session, damaged(frame, edits), peer="fuzz"))
+    assert reply.WhichOneof("kind") in ("refusal", "gradient")
+    if reply.WhichOneof("kind") == "refusal":
+        assert reply.refusal.reason != pb.Refusal.INTERNAL, reply.refusal.detail
     assert all(torch.isfinite(p).all() for p in trunk.model.parameters())
 
 
