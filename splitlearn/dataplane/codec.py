@@ -117,12 +117,7 @@ def request(seq: int, kind: str, **tensors: Frame) -> AnyRequest:
     for anything else. A small request is a generated message (see :func:`_small`).
     """
     if _small(tensors.values()):
-        message = pb.Request(seq=seq)
-        part = getattr(message, kind)
-        part.SetInParent()  # the kind is set even if it carries no tensor
-        for name, tensor in tensors.items():
-            getattr(part, name).CopyFrom(tensor.to_proto())
-        return message
+        return pb.Request(seq=seq, **{kind: _plain(tensors)})
     return Frame.unchecked(pb.Request, seq=seq,
                            **{kind: Frame.unchecked(_REQUEST_PARTS[kind], **tensors)})
 
@@ -132,9 +127,13 @@ def reply(kind: str, **fields: object) -> AnyReply:
     part = _REPLY_PARTS[kind]
     tensors = [v for v in fields.values() if isinstance(v, Frame)]
     if not holds_buffers(part.DESCRIPTOR) or _small(tensors):
-        plain = {k: v.to_proto() if isinstance(v, Frame) else v for k, v in fields.items()}
-        return pb.Reply(**{kind: plain})
+        return pb.Reply(**{kind: _plain(fields)})
     return Frame.unchecked(pb.Reply, **{kind: Frame.unchecked(part, **fields)})
+
+
+def _plain(fields: dict[str, object]) -> dict[str, object]:
+    """Fields for a generated constructor: each tensor frame as a dict, copied in once."""
+    return {k: v.as_fields() if isinstance(v, Frame) else v for k, v in fields.items()}
 
 
 def _small(tensors: Iterable[Frame]) -> bool:

@@ -286,10 +286,11 @@ class Frame:
 
     def to_proto(self) -> Message:
         """Return the generated message with the same fields (copies every buffer)."""
-        return self._schema.cls(**self._as_fields())
+        return self._schema.cls(**self.as_fields())
 
-    def _as_fields(self) -> dict[str, object]:
-        return {name: value._as_fields() if isinstance(value, Frame)
+    def as_fields(self) -> dict[str, object]:
+        """Return the set fields as a generated constructor takes them (nested dicts, bytes)."""
+        return {name: value.as_fields() if isinstance(value, Frame)
                 else bytes(value) if isinstance(value, memoryview) else value
                 for name, value in self._values.items()}
 
