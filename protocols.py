@@ -162,6 +162,7 @@ def check_config(cfg: DictConfig) -> None:
             f"privacy=activation_gaussian protects activations; strategy={protocol.name} sends none"
         )
     check_privacy_source(config, model)
+    check_client_runtime(config, protocol, model)
     check_device_privacy(config)
     check_trunk_workers(config)
     check_aggregation(config)
@@ -193,6 +194,27 @@ def check_trunk_workers(config: Config) -> None:
         raise ValueError(f"dataplane.trunk_workers={workers} with planner={config.planner.name}: "
                          "the planners model one trunk that serialises every step; use "
                          "planner=uniform or dataplane.trunk_workers=1")
+
+
+def check_client_runtime(config: Config, protocol: Protocol, model: SplittableModel) -> None:
+    """Refuse ``devices.runtime=executorch`` where the exported program cannot train (ValueError).
+
+    The program is the split step's device side, without privacy, checkpointing or
+    buffers (see :mod:`clients.steps.executorch`), checked at every cut in play.
+    """
+    if config.devices.runtime == "eager":
+        return
+    from clients.steps.executorch import bottom_refusal, executorch_refusal
+    from splitlearn.split import split
+
+    checkpoint = config.planner.adaptive and config.planner.checkpointing
+    refusal = executorch_refusal(protocol.name, config.privacy, checkpoint=checkpoint)
+    if refusal is not None:
+        raise ValueError(refusal)
+    for cut in cuts_in_play(config, model):
+        refusal = bottom_refusal(split(model, cut)[0])
+        if refusal is not None:
+            raise ValueError(f"model={config.model.name} at cut {cut}: {refusal}")
 
 
 def check_device_privacy(config: Config) -> None:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol as TypingProtocol
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -48,10 +49,19 @@ from clients.device import (
 from clients.loop import TrainReport, epoch_loader, evaluate_round, train_round
 from clients.secure import clip_update, secaggplus_mod, secure_train_handler
 from clients.steps.base import ClientStep
+from clients.steps.executorch import client_step_type
 from protocols import PROTOCOLS, Protocol
 from splitlearn.config import RunSpec, decode_spec
 from splitlearn.data import client_dataset, describe_dataset, local_dataset
 from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
+from splitlearn.dataplane.node_keys import (
+    NODE_KEY_QUERY,
+    NODE_KEY_RECORD,
+    PUBLIC_KEY_FIELD,
+    new_private_key,
+    prove,
+    public_key_of,
+)
 from splitlearn.models.factory import build_model_from_config
 from splitlearn.planning.devices import DeviceProfile
 from splitlearn.privacy import (
@@ -75,8 +85,17 @@ ACCOUNTANT_STATE_KEY = "privacy-accountant"
 LABEL_SECRET_STATE_KEY = "label-secret"
 #: ``context.state`` key of the accountant of the gradients a U-shaped node returns.
 GRADIENT_ACCOUNTANT_STATE_KEY = "gradient-accountant"
-#: Opens the round's data-plane session: (trunk address, token, spec) -> channel.
-ChannelFactory = Callable[[str, str, RunSpec], TrunkChannel]
+#: ``context.state`` key of this node's data-plane key pair (see splitlearn.dataplane.node_keys).
+NODE_KEY_STATE_KEY = "node-key"
+
+
+class ChannelFactory(TypingProtocol):
+    """Opens the round's data-plane session: (trunk address, token, spec) -> channel."""
+
+    def __call__(self, address: str, token: str, spec: RunSpec, *,
+                 proof: bytes | None = None) -> TrunkChannel:
+        """Open it; ``proof`` is this node's for ``token`` (needed if bound to its key)."""
+        ...
 
 
 #: Node-config key of a device's own training data (parquet; see splitlearn.data.local_dataset).
@@ -85,13 +104,14 @@ DATA_KEY = "data-path"
 TRUNK_ROOTS_KEY = "trunk-root-certificates"
 
 
-def grpc_channel(address: str, token: str, spec: RunSpec) -> TrunkChannel:
+def grpc_channel(address: str, token: str, spec: RunSpec, *,
+                 proof: bytes | None = None) -> TrunkChannel:
     """Open a channel over a gRPC stream to the trunk service (TLS when the spec says so)."""
     roots = spec.trunk_root_certificates.encode() or None
     transport = GrpcTransport(
         address, token, max_frame_bytes=spec.max_frame_bytes,
         stream_timeout_s=spec.strategy.round_timeout_s,
-        tls=spec.trunk_tls, root_certificates=roots,
+        tls=spec.trunk_tls, root_certificates=roots, proof=proof,
     )
     return TrunkChannel(
         transport, reply_timeout_s=spec.reply_timeout_s, max_frame_bytes=spec.max_frame_bytes,
@@ -115,6 +135,7 @@ class ClientRound:
     declared: DeviceProfile | None = None  # a real device's own profile (node config)
     data_path: str | None = None  # a device's own data (node config data-path)
     label_secret: int | None = None  # privacy.label_epsilon: seeds the node's label draw
+    node_key: bytes | None = None  # this node's data-plane private key, once it has one
 
     @classmethod
     def read(cls, msg: Message, context: Context) -> ClientRound:
@@ -139,12 +160,23 @@ class ClientRound:
             str(data.get("token", "")), address, **partition, declared=declared,
             data_path=str(node[DATA_KEY]) if node.get(DATA_KEY) else None,
             label_secret=_label_secret(context) if spec.privacy.label_epsilon else None,
+            node_key=_held_node_key(context),
         )
 
+    def proof(self) -> bytes | None:
+        """Return a fresh proof of this node's key for the round's token (None: no key)."""
+        return None if self.node_key is None else prove(self.node_key, self.token)
+
     def step(self, arrays: ArrayRecord) -> ClientStep:
-        """Build the protocol's step on a fresh model holding the server's weights."""
+        """Build the protocol's step on a fresh model holding the server's weights.
+
+        Under ``devices.runtime=executorch`` the step trains through ExecuTorch's runtime,
+        or the device refuses the round (DeviceFailure naming the option).
+        """
         model = build_model_from_config(self.spec.model, self.spec.dataset)
-        step = self.protocol.client(model, self.spec, cut=self.cut, checkpoint=self.checkpoint)
+        client = client_step_type(self.protocol.name, self.protocol.client, self.spec,
+                                  checkpoint=self.checkpoint)
+        step = client(model, self.spec, cut=self.cut, checkpoint=self.checkpoint)
         step.load(record_to_state(arrays))
         return step
 
@@ -251,6 +283,28 @@ def _charge_returned_gradients(context: Context, spec: RunSpec) -> float | None:
     return accountant.epsilon(settings.delta)
 
 
+def _held_node_key(context: Context) -> bytes | None:
+    """Return this node's data-plane private key, if a ``query.node_key`` made one."""
+    record = context.state.config_records.get(NODE_KEY_STATE_KEY)
+    return None if record is None else bytes(record["private"])  # type: ignore[arg-type]
+
+
+def node_key_reply(msg: Message, context: Context) -> Message:
+    """Answer ``query.node_key`` with this node's data-plane public key.
+
+    The key pair is made on the first query and kept in ``context.state`` for the run:
+    Flower's node authentication vouches that the reply is this node's, and the tokens
+    the ServerApp then grants this node are bound to the key (see
+    :mod:`splitlearn.dataplane.node_keys`).
+    """
+    private = _held_node_key(context)
+    if private is None:
+        private = new_private_key()
+        context.state[NODE_KEY_STATE_KEY] = ConfigRecord({"private": private})
+    public = ConfigRecord({PUBLIC_KEY_FIELD: public_key_of(private)})
+    return Message(content=RecordDict({NODE_KEY_RECORD: public}), reply_to=msg)
+
+
 def _label_secret(context: Context) -> int:
     """Return the secret this node randomises its labels with (drawn once, then kept).
 
@@ -337,7 +391,8 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
         started = time.perf_counter()  # the part of the round the virtual clock models
         if pacer is not None:  # the device first waits for its weights
             pacer.transfer(bytes_down=record_bytes(msg.content["arrays"]))
-        channel = open_channel(rnd.trunk_address, rnd.token, spec) if step.needs_channel else None
+        channel = (open_channel(rnd.trunk_address, rnd.token, spec, proof=rnd.proof())
+                   if step.needs_channel else None)
         try:
             report = train_round(step, channel, privacy, epochs=spec.strategy.local_epochs,
                                  on_step=_dropout_hook(plan, channel), pacer=pacer)
@@ -448,7 +503,8 @@ def evaluate(rnd: ClientRound, msg: Message, context: Context, open_channel: Cha
             # before anything leaves, so a server cannot average repeated evaluations.
             _charge(context, accountant, privacy.round_steps(epochs=1), spec=spec, floor=floor)
         data = DataLoader(loader.dataset, batch_size=spec.strategy.batch_size)
-        channel = open_channel(rnd.trunk_address, rnd.token, spec) if step.needs_channel else None
+        channel = (open_channel(rnd.trunk_address, rnd.token, spec, proof=rnd.proof())
+                   if step.needs_channel else None)
         try:
             loss, accuracy, examples = evaluate_round(step, channel, data)
         finally:
@@ -488,6 +544,7 @@ def build_client_app(open_channel: ChannelFactory = grpc_channel) -> ClientApp:
         for register, handler in ((app.train, train), (app.evaluate, evaluate)):
             register(name)(_bind(handler, open_channel))
     app.train()(secure_train_handler(_bind(train, open_channel), status_mod))
+    app.query(NODE_KEY_QUERY.partition(".")[2])(node_key_reply)
     return app
 
 

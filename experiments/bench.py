@@ -57,6 +57,15 @@
     Per-batch round trip over the data plane on loopback, plaintext vs TLS, for
     three payload sizes (the trunk's step included). The last line is the worst ratio.
 
+``executorch-rounds``
+    A ClientApp round with ``devices.runtime=executorch`` against ``eager`` (SplitFed v1,
+    cnn and lenet5); see :mod:`experiments.executorch_rounds`.
+
+``netns``
+    (root) A real SuperNode in a network namespace behind a veth shaped by ``tc tbf``
+    to a device preset's links, 3 rounds of the default job; the virtual clock's
+    prediction per client-round against wall time; see :mod:`experiments.netns_bench`.
+
 Extra arguments are Hydra overrides, e.g. ``strategy.num_rounds=5``.
 """
 
@@ -356,11 +365,29 @@ def bench_communication_suite(overrides: Sequence[str]) -> None:
     bench_communication(overrides)
 
 
+def bench_executorch_rounds_suite(overrides: Sequence[str]) -> None:
+    """Time ClientApp rounds in ExecuTorch vs eager (:mod:`experiments.executorch_rounds`)."""
+    from experiments.executorch_rounds import main as rounds
+
+    rounds(overrides)
+
+
+def bench_netns_suite(overrides: Sequence[str], *, relay: bool = True) -> None:
+    """Time a SuperNode behind a shaped link vs the clock (:mod:`experiments.netns_bench`).
+
+    ``relay=False`` leaves the latency out (the veth's own).
+    """
+    from experiments.netns_bench import run_bench
+
+    run_bench(overrides, relay=relay)
+
+
 BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
               "compression": bench_compression_suite, "communication": bench_communication_suite,
               "latency": bench_latency_suite, "scale": bench_scale_suite,
               "clock": bench_clock, "memory": bench_memory, "planner": bench_planner_suite,
-              "tls": bench_tls, "executorch": bench_executorch}
+              "tls": bench_tls, "executorch": bench_executorch,
+              "executorch-rounds": bench_executorch_rounds_suite, "netns": bench_netns_suite}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -380,6 +407,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+",
                         choices=("greedy", "dynsl", "smartsplit", "smartsplit-random"),
                         help="planner: only these planners (the uniform cuts always run)")
+    parser.add_argument("--no-relay", action="store_true",
+                        help="netns: no latency relay (the veth's own RTT)")
     args = parser.parse_args(argv)
     if args.name == "planner":
         bench_planner_suite(args.overrides, seeds=args.seeds, target=args.target,
@@ -393,6 +422,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         bench_scale_suite(args.overrides, clients=args.clients or [10, 100, 1000, 10000])
     elif args.name == "rounds":
         bench_rounds_suite(args.overrides, repeats=args.repeats)
+    elif args.name == "netns":
+        bench_netns_suite(args.overrides, relay=not args.no_relay)
     else:
         BENCHMARKS[args.name](args.overrides)
 

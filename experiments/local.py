@@ -104,9 +104,10 @@ class LocalGrid(Grid):
 def in_process_channels(endpoint: TrunkEndpoint):  # noqa: ANN201 - a ChannelFactory
     """Open each session on ``endpoint`` directly (same frames and checks, no network)."""
 
-    def open_channel(address: str, token: str, spec: RunSpec) -> TrunkChannel:
+    def open_channel(address: str, token: str, spec: RunSpec, *,
+                     proof: bytes | None = None) -> TrunkChannel:
         return TrunkChannel(
-            InProcessTransport(endpoint, token), reply_timeout_s=spec.reply_timeout_s,
+            InProcessTransport(endpoint, token, proof=proof), reply_timeout_s=spec.reply_timeout_s,
             max_frame_bytes=spec.max_frame_bytes, compression=spec.compression,
         )
 

@@ -63,6 +63,7 @@ from splitlearn.split import load_bottom_state
 from splitlearn.tracking import CompositeSink, make_sinks
 from splitlearn.wire import record_to_state, state_to_record
 from strategies.adaptive import CutPlanning, build_planner, prior_state
+from strategies.node_keys import NodeKeys
 from strategies.privacy import UPDATE_WEIGHT_KEY, ClippedUpdateNoise, PrivacyBudgetGuard
 from strategies.reporting import RoundOutcome
 from strategies.resume import ResumedRounds
@@ -258,12 +259,14 @@ def make_strategy(runtime: SplitRuntime, reporter: RoundReporter) -> Strategy:
 
 def dataplane_access(runtime: SplitRuntime) -> DataPlaneAccess:
     """How the strategy grants sessions: on the trunk service, or dealt to the trunk workers."""
-    ttl_s = runtime.cfg.dataplane.token_ttl_s
+    cfg = runtime.cfg
+    ttl_s = cfg.dataplane.token_ttl_s
+    keys = NodeKeys(timeout_s=cfg.strategy.round_timeout_s) if cfg.dataplane.node_keys else None
     if runtime.workers is not None:
         return DataPlaneAccess(runtime.tokens, runtime.workers.addresses[0], ttl_s,
-                               route=runtime.workers.route)
+                               route=runtime.workers.route, node_keys=keys)
     assert runtime.service is not None
-    return DataPlaneAccess(runtime.tokens, runtime.service.address, ttl_s)
+    return DataPlaneAccess(runtime.tokens, runtime.service.address, ttl_s, node_keys=keys)
 
 
 def initial_arrays(runtime: SplitRuntime) -> ArrayRecord:
@@ -525,6 +528,18 @@ def run_log(run_dir: str | Path) -> Iterator[None]:
             handler.close()
 
 
+def deployed_config(run_config: dict[str, Any]) -> DictConfig:
+    """Return the config of a run started by ``flwr run``: node keys on unless set off.
+
+    A SuperLink may have real devices connected, so by default each token is bound to
+    its node's key (``dataplane.node_keys``); ``experiments.run`` leaves them off.
+    """
+    cfg = config_from_run_config(run_config)
+    if cfg.dataplane.node_keys is None:
+        cfg.dataplane.node_keys = True
+    return cfg
+
+
 def build_server_app(cfg: DictConfig | None = None) -> ServerApp:
     """Build the ServerApp; with ``cfg=None`` the config comes from the run config.
 
@@ -536,7 +551,7 @@ def build_server_app(cfg: DictConfig | None = None) -> ServerApp:
 
     @server_app.lifespan()
     def lifespan(context: Context) -> Iterator[None]:
-        run_cfg = cfg if cfg is not None else config_from_run_config(dict(context.run_config))
+        run_cfg = cfg if cfg is not None else deployed_config(dict(context.run_config))
         with run_log(run_cfg.run_dir) if cfg is None else nullcontext():
             runtime = start_runtime(run_cfg)
             runtimes.append(runtime)

@@ -135,6 +135,12 @@ class DataPlaneConfig:
     idle_timeout_s: float = 300.0  # a stream silent this long is closed
     reply_timeout_s: float = 600.0  # a client gives up on a reply after this long
     token_ttl_s: float = 3600.0  # a round's tokens also die when the round ends
+    # Bind each token to a key its node gives the ServerApp over Flower (query.node_key):
+    # a stream opens only with that node's signature, so another node cannot use it.
+    # None: on under `flwr run` (a SuperLink: real devices may connect), off in the
+    # in-process Simulation Engine of `experiments.run`, where every node is the run's own
+    # and a key costs each newly sampled node one more Flower message.
+    node_keys: bool | None = None
     trunk_threads: int = 1  # intra-op threads of the trunk's process (see engine)
     # SplitFed v2's trunk in this many processes, clients dealt to them in turn and the
     # copies merged every round (1: the trunk steps in the ServerApp's process).
@@ -386,6 +392,10 @@ class TraceEventConfig:
     rtt_s: float | None = None
 
 
+#: ``devices.runtime`` values: what trains a device's stages.
+CLIENT_RUNTIMES = ("eager", "executorch")
+
+
 @dataclass
 class DevicesConfig:
     """Which devices the clients emulate."""
@@ -399,6 +409,13 @@ class DevicesConfig:
     # The same per cut (the host is faster on some stages than others); a planner's run
     # measures every cut unless host_flops_per_s is set. Empty: host_flops_per_s for all.
     host_flops_by_cut: dict[int, float] = field(default_factory=dict)
+    # What runs the device's stages: eager PyTorch, or the exported ExecuTorch program
+    # through ExecuTorch's runtime (clients/steps/executorch.py; split protocols only).
+    runtime: str = "eager"
+
+    def __post_init__(self) -> None:
+        if self.runtime not in CLIENT_RUNTIMES:
+            raise ValueError(f"devices.runtime={self.runtime!r}; accepted: {list(CLIENT_RUNTIMES)}")
 
     def host_flops_at(self, cut: int) -> float:
         """Return the host's training FLOP/s on the client side at ``cut`` (0: unknown)."""

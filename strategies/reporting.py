@@ -284,7 +284,8 @@ class ReportingFedAvg(FedAvg):
     ) -> Iterable[Message]:
         """Sample as FedAvg does, let :meth:`choose` keep some; type and fill each message."""
         messages = list(super().configure_train(server_round, arrays, config, grid))
-        kept = set(self.choose(server_round, [m.metadata.dst_node_id for m in messages]))
+        ready = self.ready(grid, [m.metadata.dst_node_id for m in messages])
+        kept = set(self.choose(server_round, ready))
         self._round_started = time.perf_counter()
         typed = [self._typed(m, server_round, "train") for m in messages
                  if m.metadata.dst_node_id in kept]
@@ -298,6 +299,10 @@ class ReportingFedAvg(FedAvg):
 
     def choose(self, server_round: int, nodes: list[int]) -> list[int]:
         """Return which of the sampled nodes train this round (a hook: a planner selects)."""
+        return nodes
+
+    def ready(self, grid: Grid, nodes: list[int]) -> list[int]:
+        """Return the sampled nodes that can be asked now (a hook: node keys are learned)."""
         return nodes
 
     def client_arrays(self, node: int, arrays: ArrayRecord) -> ArrayRecord:
@@ -318,8 +323,10 @@ class ReportingFedAvg(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Federated evaluation (off unless ``fraction_evaluate`` > 0), typed like training."""
-        messages = super().configure_evaluate(server_round, arrays, config, grid)
-        return [self._typed(m, server_round, "evaluate") for m in messages]
+        messages = list(super().configure_evaluate(server_round, arrays, config, grid))
+        ready = set(self.ready(grid, [m.metadata.dst_node_id for m in messages]))
+        return [self._typed(m, server_round, "evaluate") for m in messages
+                if m.metadata.dst_node_id in ready]
 
     def finish_round(self, server_round: int, finished: list[Message]) -> None:
         """Settle the round with its finished replies, before they are averaged (a hook)."""

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.serverapp import Grid
 
 from splitlearn.config import StrategyConfig
 from splitlearn.dataplane import TokenRegistry
 from splitlearn.planning.cost import Assignment
 from splitlearn.wire import record_to_state, stages_outside, state_to_record
 from strategies.adaptive import CutPlanning
+from strategies.node_keys import NodeKeys
 from strategies.reporting import ReportingFedAvg, reply_metrics
 
 
@@ -39,12 +41,16 @@ class DataPlaneAccess:
     route : Callable[[str], str], optional
         Token -> the address of the trunk that serves it, when several do (trunk
         workers); without it every client dials ``address``.
+    node_keys : NodeKeys, optional
+        Binds each token to its node's key (learned through Flower first); without it
+        tokens are bearer secrets.
     """
 
     tokens: TokenRegistry
     address: str
     ttl_s: float
     route: Callable[[str], str] | None = None
+    node_keys: NodeKeys | None = None
 
     def address_for(self, token: str) -> str:
         """Return the address the holder of ``token`` dials."""
@@ -101,6 +107,12 @@ class SplitFed(ReportingFedAvg):
         self.global_cut = planning.max_cut if planning else self.spec.model.cut
         self._assigned: dict[int, Assignment] = {}
 
+    def ready(self, grid: Grid, nodes: list[int]) -> list[int]:
+        """With node keys, keep the nodes whose key is known (asking the others first)."""
+        nodes = super().ready(grid, nodes)
+        keys = self.dataplane.node_keys
+        return nodes if keys is None else keys.learn(grid, nodes)
+
     def choose(self, server_round: int, nodes: list[int]) -> list[int]:
         """Keep the planner's choice of clients and cuts (all at ``model.cut`` without one)."""
         nodes = super().choose(server_round, nodes)
@@ -146,6 +158,10 @@ class SplitFed(ReportingFedAvg):
         """
         replies = list(replies)
         result = super().aggregate_train(server_round, replies)
+        if self.dataplane.node_keys is not None:  # refused or lost: it may have a new key now
+            asked = (m.metadata.dst_node_id for m in self._asked)
+            self.dataplane.node_keys.forget(
+                n for n in asked if self.statuses.get(n, "lost") in ("refused", "lost"))
         if self.planning is not None:
             self.planning.observe(server_round, [
                 (r, self.statuses[r.metadata.src_node_id], self.assignment(r.metadata.src_node_id))
@@ -170,9 +186,11 @@ class SplitFed(ReportingFedAvg):
         record = super().round_record(node, server_round) | {
             "cut": assigned.cut, "checkpoint": assigned.checkpoint,
         }
+        keys = self.dataplane.node_keys
         token = self.dataplane.tokens.issue(
             client=str(node), protocol=self.protocol, cut=record["cut"],
             server_round=server_round, ttl_s=self.dataplane.ttl_s,
+            node_key=None if keys is None else keys.of(node),
         )
         return record | {"trunk_address": self.dataplane.address_for(token), "token": token}
 

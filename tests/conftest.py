@@ -45,15 +45,16 @@ class TrunkServer:
     service: TrunkService
     protocol: str
 
-    def token(self, cut: int, client: str = "c0", server_round: int = 1, ttl_s: float = 60) -> str:
+    def token(self, cut: int, client: str = "c0", server_round: int = 1, ttl_s: float = 60,
+              node_key: bytes | None = None) -> str:
         return self.tokens.issue(client=client, protocol=self.protocol, cut=cut,
-                                 server_round=server_round, ttl_s=ttl_s)
+                                 server_round=server_round, ttl_s=ttl_s, node_key=node_key)
 
     def channel(self, token: str, *, tls: bool = False, root_certificates: bytes | None = None,
-                **kwargs) -> TrunkChannel:
+                proof: bytes | None = None, **kwargs) -> TrunkChannel:
         """A client channel over gRPC (TLS with ``tls`` or ``root_certificates``)."""
         transport = GrpcTransport(self.service.address, token, max_frame_bytes=1 << 22,
-                                  tls=tls, root_certificates=root_certificates)
+                                  tls=tls, root_certificates=root_certificates, proof=proof)
         return TrunkChannel(transport, max_frame_bytes=1 << 22, **kwargs)
 
     def local_channel(self, token: str, **kwargs) -> TrunkChannel:

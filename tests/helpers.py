@@ -6,15 +6,17 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-from flwr.app import Message
+from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid
 from torch import Tensor, nn
 
+from clients.app import node_key_reply
 from clients.loop import TrainReport, train_round
 from clients.steps.split import SplitStep
 from splitlearn.config import PrivacyConfig, RunSpec
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.dataplane import trunk_pb2 as pb
+from splitlearn.dataplane.node_keys import NODE_KEY_QUERY
 from splitlearn.models import SplittableModel
 from splitlearn.planning.cost import ClientState, CutCost
 from splitlearn.privacy import ClientPrivacy
@@ -66,21 +68,34 @@ def send_raw(channel: TrunkChannel, data: bytes) -> pb.Reply:
 class ScriptedGrid(Grid):
     """A grid whose nodes answer by a script (``answer(message) -> reply``; None: never).
 
-    Records every ``send_and_receive`` call (the messages as sent). The rest of
-    Flower's Grid interface is not needed by strategies and refuses to be used.
+    Records every ``send_and_receive`` call (the messages as sent). With ``node_keys``
+    the nodes answer ``query.node_key`` as the shipped ClientApp does (a key pair per
+    node), and the script sees the rest. The rest of Flower's Grid interface is not
+    needed by strategies and refuses to be used.
     """
 
-    def __init__(self, nodes: list[int], answer: Callable[[Message], Message]) -> None:
+    def __init__(self, nodes: list[int], answer: Callable[[Message], Message], *,
+                 node_keys: bool = True) -> None:
         self.nodes = nodes
         self.answer = answer
+        self.node_keys = node_keys
         self.calls: list[list[Message]] = []
+        self._contexts: dict[int, Context] = {}
 
     def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
         messages = list(messages)
         for message in messages:  # ids as Flower's grids give them when they push
             message.metadata.__dict__["_message_id"] = message.object_id
         self.calls.append(messages)
-        return [r for r in map(self.answer, messages) if r is not None]
+        return [r for r in map(self._answer, messages) if r is not None]
+
+    def _answer(self, message: Message) -> Message | None:
+        if not self.node_keys or message.metadata.message_type != NODE_KEY_QUERY:
+            return self.answer(message)
+        node = message.metadata.dst_node_id
+        context = self._contexts.setdefault(node, Context(
+            run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={}))
+        return node_key_reply(message, context)
 
     def train_calls(self) -> list[list[Message]]:
         return [c for c in self.calls if c and c[0].metadata.message_type.startswith("train.")]

@@ -25,6 +25,7 @@ from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor, encode_tensor, encoder, request
 from splitlearn.dataplane.endpoint import SessionRefused, TrunkEndpoint
 from splitlearn.dataplane.frames import Frame, read
+from splitlearn.dataplane.node_keys import PROOF_METADATA_KEY
 from splitlearn.dataplane.service import EXCHANGE_METHOD, TOKEN_METADATA_KEY
 
 #: Largest reply a client accepts (gradients are the size of the activations).
@@ -80,6 +81,9 @@ class GrpcTransport:
         Dial with TLS (also implied by ``root_certificates``).
     root_certificates : bytes, optional
         PEM roots to verify the trunk's certificate by; the system's when None.
+    proof : bytes, optional
+        This node's proof for the token (:func:`~splitlearn.dataplane.node_keys.prove`),
+        which a token bound to the node's key needs.
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class GrpcTransport:
         stream_timeout_s: float = 3600.0,
         tls: bool = False,
         root_certificates: bytes | None = None,
+        proof: bytes | None = None,
     ) -> None:
         # Headroom above the frame limit: an oversized frame reaches the trunk's own
         # check and is refused with a reason, not a transport error.
@@ -104,8 +109,11 @@ class GrpcTransport:
             creds = grpc.ssl_channel_credentials(root_certificates)
             self._channel = grpc.secure_channel(address, creds, options=options)
         self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
+        metadata: tuple[tuple[str, str | bytes], ...] = ((TOKEN_METADATA_KEY, token),)
+        if proof is not None:
+            metadata += ((PROOF_METADATA_KEY, proof),)
         self._call = self._channel.stream_stream(EXCHANGE_METHOD)(
-            self._request_iterator(), metadata=((TOKEN_METADATA_KEY, token),),
+            self._request_iterator(), metadata=metadata,
             timeout=stream_timeout_s,
         )
         # Replies are read on the caller's thread (a reader thread would add a hand-off
@@ -182,15 +190,18 @@ class InProcessTransport:
         Session token.
     peer : str
         How refusals name this client in the endpoint's books.
+    proof : bytes, optional
+        This node's proof for the token, as for :class:`GrpcTransport`.
     """
 
-    def __init__(self, endpoint: TrunkEndpoint, token: str, *, peer: str = "in-process") -> None:
+    def __init__(self, endpoint: TrunkEndpoint, token: str, *, peer: str = "in-process",
+                 proof: bytes | None = None) -> None:
         self._endpoint = endpoint
         self._peer = peer
         self._replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._cancelled = threading.Event()
         try:
-            self._session, self._stream = endpoint.attach(token, self._cancelled.set)
+            self._session, self._stream = endpoint.attach(token, self._cancelled.set, proof=proof)
         except SessionRefused as refused:
             raise TrunkRejected(f"{refused.code}: {refused}") from None
 

@@ -29,6 +29,7 @@ from splitlearn.dataplane.codec import (
     decode_request,
     refusal,
 )
+from splitlearn.dataplane.node_keys import proof_nonce, proof_problem, verifies
 from splitlearn.dataplane.tokens import SessionGrant, TokenRegistry
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Session:
     last_seq: int = 0
     last_active: float = field(default_factory=time.monotonic)
     streams: dict[int, Callable[[], None]] = field(default_factory=dict)  # id -> cancel
+    nonces: set[bytes] = field(default_factory=set)  # of the proofs its streams opened with
 
 
 class SessionHandler(Protocol):
@@ -101,14 +103,20 @@ class TrunkEndpoint:
         self._next_stream = 0
         tokens.on_revoke(self._close_tokens)
 
-    def attach(self, token: str | None, cancel: Callable[[], None]) -> tuple[Session, int]:
+    def attach(self, token: str | None, cancel: Callable[[], None], *,
+               proof: bytes | None = None) -> tuple[Session, int]:
         """Open a stream on ``token``; return its session and stream id.
+
+        A token bound to a node key needs ``proof``: a fresh nonce and that node's
+        signature (see :mod:`.node_keys`).
 
         Raises
         ------
         SessionRefused
-            ``UNAUTHENTICATED`` for a bad token, ``RESOURCE_EXHAUSTED`` when the
-            token already holds its streams.
+            ``UNAUTHENTICATED`` for a bad token, or a missing, malformed, wrong or replayed
+            proof; ``PERMISSION_DENIED`` when the proof is another node's (the token
+            belongs to another node); ``RESOURCE_EXHAUSTED`` when the token already
+            holds its streams.
         """
         grant = self.tokens.lookup(token)
         if grant is None or grant.protocol not in self.handlers:
@@ -116,8 +124,15 @@ class TrunkEndpoint:
                 "UNAUTHENTICATED", "session token rejected: unknown, expired or revoked"
             )
         assert token is not None
+        if grant.node_key is not None:
+            self._check_proof(token, grant, proof)
         with self._lock:
             session = self._sessions.setdefault(token, Session(token, grant))
+            if proof is not None and grant.node_key is not None:
+                if proof_nonce(proof) in session.nonces:
+                    raise SessionRefused("UNAUTHENTICATED", "node proof replayed: this nonce "
+                                         "already opened a stream on this token")
+                session.nonces.add(proof_nonce(proof))
             if len(session.streams) >= self.limits.streams_per_token:
                 raise SessionRefused(
                     "RESOURCE_EXHAUSTED", f"this token already holds "
@@ -129,6 +144,23 @@ class TrunkEndpoint:
             session.last_active = time.monotonic()
         self.handlers[grant.protocol].attach(session)
         return session, stream
+
+    def _check_proof(self, token: str, grant: SessionGrant, proof: bytes | None) -> None:
+        """Refuse the stream unless ``proof`` is the grantee's signature over ``token``."""
+        assert grant.node_key is not None
+        if (problem := proof_problem(proof)) is not None:
+            raise SessionRefused("UNAUTHENTICATED", f"this token is bound to node "
+                                 f"{grant.client}'s key: {problem}")
+        assert proof is not None
+        if verifies(grant.node_key, token, proof):
+            return
+        for other, key in self.tokens.keys_of_others(grant.client).items():
+            if verifies(key, token, proof):
+                raise SessionRefused(
+                    "PERMISSION_DENIED", f"token belongs to another node: it was issued "
+                    f"to node {grant.client}, and the stream's proof is node {other}'s")
+        raise SessionRefused("UNAUTHENTICATED", f"node proof does not verify: the token "
+                             f"was issued to node {grant.client}, which did not sign it")
 
     def detach(self, session: Session, stream: int) -> None:
         """End one stream of ``session`` (idempotent)."""

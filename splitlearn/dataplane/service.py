@@ -18,6 +18,7 @@ from concurrent import futures
 import grpc
 
 from splitlearn.dataplane.endpoint import SessionRefused, TrunkEndpoint
+from splitlearn.dataplane.node_keys import PROOF_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +90,12 @@ class TrunkService:
     def _exchange(
         self, requests: Iterator[bytes], context: grpc.ServicerContext
     ) -> Iterator[bytes]:
-        token = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY)
+        metadata = dict(context.invocation_metadata())
+        token, proof = metadata.get(TOKEN_METADATA_KEY), metadata.get(PROOF_METADATA_KEY)
         try:
-            session, stream = self.endpoint.attach(token, context.cancel)
+            session, stream = self.endpoint.attach(
+                token if isinstance(token, str) else None, context.cancel,
+                proof=proof if isinstance(proof, bytes) else None)
         except SessionRefused as refused:
             context.abort(getattr(grpc.StatusCode, refused.code), str(refused))
         peer = context.peer()

@@ -25,6 +25,9 @@ class SessionGrant:
         Round the token belongs to; it is revoked when the round ends.
     expires_at : float
         ``time.monotonic()`` deadline.
+    node_key : bytes, optional
+        The client's Ed25519 public key (see :mod:`.node_keys`): every stream on the
+        token must open with the client's proof. Without one the token is a bearer secret.
     """
 
     client: str
@@ -32,6 +35,7 @@ class SessionGrant:
     cut: int
     server_round: int
     expires_at: float
+    node_key: bytes | None = None
 
 
 class TokenRegistry:
@@ -43,11 +47,16 @@ class TokenRegistry:
         self._revoke_listeners: list[Callable[[list[str]], None]] = []
 
     def issue(
-        self, *, client: str, protocol: str, cut: int, server_round: int, ttl_s: float
+        self, *, client: str, protocol: str, cut: int, server_round: int, ttl_s: float,
+        node_key: bytes | None = None,
     ) -> str:
-        """Return a fresh random token for ``client`` valid for ``ttl_s`` seconds."""
+        """Return a fresh random token for ``client`` valid for ``ttl_s`` seconds.
+
+        With ``node_key`` the token is bound to it (see :class:`SessionGrant`).
+        """
         token = secrets.token_urlsafe(24)
-        grant = SessionGrant(client, protocol, cut, server_round, time.monotonic() + ttl_s)
+        grant = SessionGrant(client, protocol, cut, server_round, time.monotonic() + ttl_s,
+                             node_key)
         with self._lock:
             self._grants[token] = grant
         return token
@@ -64,6 +73,13 @@ class TokenRegistry:
         if grant is None or grant.expires_at < time.monotonic():
             return None
         return grant
+
+    def keys_of_others(self, client: str) -> dict[str, bytes]:
+        """Return the node keys of the live grants of every client but ``client``."""
+        now = time.monotonic()
+        with self._lock:
+            return {g.client: g.node_key for g in self._grants.values()
+                    if g.node_key is not None and g.client != client and g.expires_at >= now}
 
     def revoke_round(self, server_round: int) -> None:
         """Invalidate every token of ``server_round`` and older; tell the listeners."""

@@ -16,6 +16,7 @@ import torch
 from server.sessions.split import SharedTrunk, SplitSession
 from splitlearn.config import DataPlaneConfig
 from splitlearn.dataplane import TrunkRejected
+from splitlearn.dataplane.node_keys import new_private_key, prove, public_key_of
 from splitlearn.split import split
 from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import send_raw, train_split_client
@@ -132,6 +133,29 @@ def test_a_stolen_token_gets_no_second_stream_and_its_refusals_are_not_the_owner
     assert list(lenient.endpoint.refusals.values()) == [3]  # one peer, the thief's
     owner.close()
     thief.close()
+
+
+def test_a_token_bound_to_its_node_is_refused_to_another_node_over_grpc(trunk_server_factory):
+    model = digits_like_model("cnn")
+    server = trunk_server_factory(model)
+    acts, y = batch_at(model, 1)
+    owner_key, thief_key = new_private_key(), new_private_key()
+    token = server.token(1, client="owner", node_key=public_key_of(owner_key))
+    server.token(1, client="thief", node_key=public_key_of(thief_key))  # its own grant
+    for proof, refusal in (
+        (None, "UNAUTHENTICATED: this token is bound to node owner's key: no proof"),
+        (prove(thief_key, token), "PERMISSION_DENIED: token belongs to another node: it was "
+                                  "issued to node owner, and the stream's proof is node thief's"),
+        (b"\x00" * 80, "UNAUTHENTICATED: node proof does not verify"),
+    ):
+        thief = server.channel(token, proof=proof, reply_timeout_s=10)
+        with pytest.raises(TrunkRejected, match=refusal):
+            thief.forward(acts, y)
+        thief.close()
+    assert server.trunk.steps == 0
+    owner = server.channel(token, proof=prove(owner_key, token))
+    assert owner.forward(acts, y)[0].shape == acts.shape  # the refusals cost the owner nothing
+    owner.close()
 
 
 def test_a_stalled_trunk_cannot_hang_a_client_or_the_shutdown(trunk_server_factory):

@@ -39,8 +39,9 @@ def forward_rows(data: bytes) -> list[torch.Tensor]:
 def recording_channels(runtime, frames: list[bytes]):
     """A ClientApp channel factory over the in-process transport that keeps every frame sent."""
 
-    def recording(address, token, spec):
-        return TrunkChannel(RecordingTransport(InProcessTransport(runtime.endpoint, token), frames),
+    def recording(address, token, spec, *, proof=None):
+        return TrunkChannel(RecordingTransport(InProcessTransport(runtime.endpoint, token,
+                                                                  proof=proof), frames),
                             reply_timeout_s=spec.reply_timeout_s,
                             max_frame_bytes=spec.max_frame_bytes)
 
@@ -239,10 +240,11 @@ def test_label_dp_sends_the_same_randomised_labels_every_round(tmp_path):
     runtime = start_runtime(cfg)
     frames: dict[tuple[int, str], list[bytes]] = {}
 
-    def recording(address, token, spec):
+    def recording(address, token, spec, *, proof=None):
         grant = runtime.tokens.lookup(token)
         kept = frames.setdefault((grant.server_round, grant.client), [])
-        return TrunkChannel(RecordingTransport(InProcessTransport(runtime.endpoint, token), kept),
+        return TrunkChannel(RecordingTransport(InProcessTransport(runtime.endpoint, token,
+                                                                  proof=proof), kept),
                             reply_timeout_s=spec.reply_timeout_s,
                             max_frame_bytes=spec.max_frame_bytes)
 

@@ -107,10 +107,10 @@ def test_clientapp_round_sends_no_labels_and_two_exchanges_per_batch(tmp_path):
     runtime = start_runtime(cfg)
     frames: list[bytes] = []
 
-    def recording_channel(address, token, spec):
+    def recording_channel(address, token, spec, *, proof=None):
         from experiments.local import in_process_channels
 
-        channel = in_process_channels(runtime.endpoint)(address, token, spec)
+        channel = in_process_channels(runtime.endpoint)(address, token, spec, proof=proof)
         channel.transport = RecordingTransport(channel.transport, frames)
         return channel
 

@@ -91,7 +91,7 @@ def test_every_protocol_builds_its_parts_from_the_composed_config(name):
 @pytest.mark.parametrize("name", SHIPPED)
 def test_every_protocol_strategy_sends_its_typed_messages(runtime_for, name):
     protocol = PROTOCOLS[name]
-    runtime = runtime_for(f"strategy={name}")
+    runtime = runtime_for(f"strategy={name}", "dataplane.node_keys=true")
     reporter = Reporter()
     strategy = make_strategy(runtime, reporter)
     assert isinstance(strategy, protocol.strategy) and isinstance(strategy, ReportingFedAvg)
@@ -117,6 +117,7 @@ def test_every_protocol_strategy_sends_its_typed_messages(runtime_for, name):
         assert data["trunk_address"] == runtime.service.address
         grant = runtime.tokens.lookup(str(data["token"]))
         assert grant.protocol == name and grant.client == str(message.metadata.dst_node_id)
+        assert grant.node_key is not None  # learned over Flower before the token was issued
         assert grant.protocol in runtime.endpoint.handlers  # the trunk serves the session
 
 

@@ -1,0 +1,159 @@
+"""The split step with the device's stages trained by ExecuTorch's runtime (``devices.runtime``).
+
+With ``devices.runtime=executorch`` a split protocol's client (SplitFed v1/v2, sequential
+SL) trains its stages through the exported ExecuTorch program
+(:class:`clients.executorch_step.ExecuTorchBottom`): the ``.pte`` a device without Python
+PyTorch runs. The programs (one per batch shape) are exported once per process and kept
+(:data:`clients.executorch_step.PROGRAMS`, keyed by the model's architecture and settings,
+the cut and the batch shape): each round borrows them, writes the weights it received into
+them, steps them with a fresh ExecuTorch SGD at the run's lr, momentum and weight decay (no
+momentum carries across rounds, as the eager optimiser is made per round), and ends by
+loading the trained weights back into the model, so the reply carries them, and giving the
+programs back. Evaluation stays eager PyTorch (no update, the same function).
+
+What the program does not do is refused rather than trained eagerly
+(:func:`executorch_refusal`, at composition and again on the device): other protocols'
+device sides, privacy that clips, noises or regularises what the device computes,
+activation checkpointing, and stages holding buffers (BatchNorm's running statistics,
+which the program does not update).
+
+``peak-memory-bytes`` is the largest memory plan of the round's programs (the arena
+ExecuTorch's runtime allocates to run one, weights and gradients included where the plan
+holds them), not :class:`clients.memory.MemoryMeter`'s count: the meter watches PyTorch's
+autograd, which this step does not use. Export time, where a round has to export (the
+process's first round for the architecture, or concurrent rounds wanting the same program),
+counts as the device's compute in the batch that needs the program.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from clients.device import DeviceFailure
+from clients.executorch_step import ExecuTorchBottom
+from clients.steps.base import ClientStep
+from clients.steps.split import SplitStep
+from splitlearn.config import PrivacyConfig, RunSpec
+from splitlearn.dataplane import TrunkChannel
+from splitlearn.models import SplittableModel
+
+#: Protocols whose device side is the split step the exported program implements.
+EXECUTORCH_PROTOCOLS = ("splitfed_v1", "splitfed_v2", "sequential")
+#: The setting every refusal names.
+RUNTIME_KEY = "devices.runtime=executorch"
+CHECKPOINT_REFUSAL = (f"{RUNTIME_KEY} with activation checkpointing: the program's memory is "
+                      "ExecuTorch's plan (use planner.checkpointing=false or "
+                      "devices.runtime=eager)")
+
+
+def executorch_refusal(protocol: str, privacy: PrivacyConfig, *, checkpoint: bool) -> str | None:
+    """Return why ExecuTorch's runtime cannot train this device side (None: it can).
+
+    Parameters
+    ----------
+    protocol : str
+        The run's ``strategy.name``.
+    privacy : PrivacyConfig
+        The device's privacy settings.
+    checkpoint : bool
+        Whether the device may be asked to checkpoint its activations.
+    """
+    if protocol not in EXECUTORCH_PROTOCOLS:
+        return (f"{RUNTIME_KEY} trains the split step of {list(EXECUTORCH_PROTOCOLS)}; "
+                f"strategy={protocol} has another device side (use devices.runtime=eager)")
+    if privacy.name != "none":
+        return (f"{RUNTIME_KEY} with privacy={privacy.name}: the exported program neither "
+                "clips nor noises (use privacy=none or devices.runtime=eager)")
+    if privacy.nopeek_weight:
+        return (f"{RUNTIME_KEY} with privacy.nopeek_weight={privacy.nopeek_weight}: the "
+                "exported program has no NoPeek term (use devices.runtime=eager)")
+    return CHECKPOINT_REFUSAL if checkpoint else None
+
+
+def bottom_refusal(bottom: nn.Module) -> str | None:
+    """Return why the exported program cannot train ``bottom`` (None: it can)."""
+    buffers = [name for name, _ in bottom.named_buffers()]
+    if buffers:
+        return (f"{RUNTIME_KEY}: the device's stages hold buffers {buffers[:3]} (e.g. "
+                "BatchNorm's running statistics), which the exported program does not "
+                "update (use devices.runtime=eager or another cut)")
+    return None
+
+
+def model_settings(spec: RunSpec) -> str:
+    """Return the run's settings that build the model (part of the programs' cache key)."""
+    model, dataset = spec.model, spec.dataset
+    options = sorted((str(k), repr(v)) for k, v in dict(model.options).items())
+    return repr((model.name, model._target_, options, dataset.name, dataset.image_size))
+
+
+def client_step_type(protocol: str, client: type[ClientStep], spec: RunSpec, *,
+                     checkpoint: bool) -> type[ClientStep]:
+    """Return the step that trains this round's device side under ``spec.devices.runtime``.
+
+    Raises
+    ------
+    DeviceFailure
+        The ExecuTorch runtime cannot honour the round (the reason names the option).
+    """
+    if spec.devices.runtime == "eager":
+        return client
+    refusal = executorch_refusal(protocol, spec.privacy, checkpoint=checkpoint)
+    if refusal is not None:
+        raise DeviceFailure(refusal)
+    return ExecuTorchSplitStep
+
+
+class ExecuTorchSplitStep(SplitStep):
+    """The split step whose device stages ExecuTorch's runtime trains (see the module docstring).
+
+    Raises
+    ------
+    DeviceFailure
+        On stages the program cannot train (:func:`bottom_refusal`).
+    """
+
+    def __init__(
+        self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
+    ) -> None:
+        if checkpoint:
+            raise DeviceFailure(CHECKPOINT_REFUSAL)
+        super().__init__(model, spec, cut=cut)
+        refusal = bottom_refusal(self.bottom)
+        if refusal is not None:
+            raise DeviceFailure(refusal)
+        train = spec.strategy
+        self.device = ExecuTorchBottom(model, self.cut, lr=train.lr, momentum=train.momentum,
+                                       weight_decay=train.weight_decay,
+                                       config=model_settings(spec))
+
+    def train_batch(
+        self, inputs: Tensor, labels: Tensor, channel: TrunkChannel | None,
+        optimizer: torch.optim.Optimizer,
+    ) -> tuple[float, int]:
+        """Train on one batch through the program (the PyTorch ``optimizer`` is not used)."""
+        # No MemoryMeter: it watches PyTorch's autograd; the peak is the runtime's plan.
+        result = self._train_batch(inputs, labels, channel, optimizer)
+        self.peak_memory_bytes = self.device.planned_bytes
+        return result
+
+    def _train_batch(
+        self, inputs: Tensor, labels: Tensor, channel: TrunkChannel | None,
+        optimizer: torch.optim.Optimizer,
+    ) -> tuple[float, int]:
+        """Run the program's forward, exchange, run its backward and step ExecuTorch's SGD."""
+        assert channel is not None
+        activations = self.device.activations(inputs)
+        grad, loss, correct = channel.forward(activations, labels)
+        self.device.train(inputs, grad)
+        return loss, correct
+
+    def finish(self, channel: TrunkChannel | None) -> None:
+        """Load the program's trained weights into the model (the reply carries them).
+
+        Then give the programs back for the next round.
+        """
+        super().finish(channel)
+        self.device.load_into(self.bottom)
+        self.device.release()

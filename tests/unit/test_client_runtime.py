@@ -1,0 +1,102 @@
+"""``devices.runtime``: what the ExecuTorch runtime cannot train is refused, never trained eagerly.
+
+Refused before a run starts (:func:`protocols.check_config`, naming the option) and again by
+a device handed such a round (a DeviceFailure its reply carries as a status). The programs a
+process keeps across rounds are keyed by what fixes their graph, never by the weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from clients.device import DeviceFailure
+from clients.executorch_step import architecture
+from clients.steps.executorch import ExecuTorchSplitStep, client_step_type, model_settings
+from clients.steps.split import SplitStep
+from clients.steps.ushaped import UShapedStep
+from protocols import check_config, compose_config
+from splitlearn.config import DevicesConfig, PrivacyConfig, RunSpec
+from splitlearn.models import build_model
+from tests.conftest import digits_like_model
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["devices.runtime=tflite"], "devices.runtime='tflite'; accepted: ['eager', 'executorch']"),
+    (["strategy=ushaped"], "strategy=ushaped has another device side"),
+    (["strategy=local_loss"], "strategy=local_loss has another device side"),
+    (["strategy=sglr"], "strategy=sglr has another device side"),
+    (["strategy=fedavg"], "strategy=fedavg has another device side"),
+    (["privacy=activation_gaussian", "privacy.noise_multiplier=0.5"],
+     "with privacy=activation_gaussian"),
+    (["privacy=dpsgd_client", "privacy.noise_multiplier=1.0"], "with privacy=dpsgd_client"),
+    (["privacy.nopeek_weight=0.1"], "with privacy.nopeek_weight=0.1"),
+    (["planner=smartsplit"], "with activation checkpointing"),
+    (["model=resnet"], "model=resnet at cut 1: devices.runtime=executorch: the device's "
+                       "stages hold buffers"),
+], ids=["unknown-runtime", "ushaped", "local-loss", "sglr", "fedavg", "activation-noise",
+        "dpsgd", "nopeek", "checkpointing-planner", "batchnorm"])
+def test_what_the_program_cannot_train_is_refused_before_the_run(overrides, message):
+    with pytest.raises(ValueError) as err:
+        check_config(compose_config(["devices.runtime=executorch", *overrides]))
+    assert message in str(err.value)
+    if "accepted" not in message:
+        assert "devices.runtime=executorch" in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["strategy=splitfed_v1"], ["strategy=splitfed_v2"], ["strategy=sequential"],
+    ["model=lenet5"], ["planner=greedy"], ["planner=smartsplit", "planner.checkpointing=false"],
+    ["+privacy.label_epsilon=2.0"], ["compression=int8"],
+], ids=["splitfed-v1", "splitfed-v2", "sequential", "lenet5", "greedy",
+        "smartsplit-without-checkpointing", "label-dp", "compression"])
+def test_the_split_protocols_are_accepted_with_the_program(overrides):
+    check_config(compose_config(["devices.runtime=executorch", *overrides]))
+
+
+def executorch_spec(**privacy) -> RunSpec:
+    return RunSpec(devices=DevicesConfig(runtime="executorch"), privacy=PrivacyConfig(**privacy))
+
+
+def test_a_device_picks_the_step_its_runtime_names():
+    assert client_step_type("splitfed_v1", SplitStep, RunSpec(), checkpoint=False) is SplitStep
+    assert client_step_type("splitfed_v1", SplitStep, executorch_spec(),
+                            checkpoint=False) is ExecuTorchSplitStep
+
+
+@pytest.mark.parametrize(("protocol", "client", "spec", "checkpoint", "message"), [
+    ("ushaped", UShapedStep, executorch_spec(), False, "strategy=ushaped"),
+    ("splitfed_v2", SplitStep, executorch_spec(nopeek_weight=0.5), False, "nopeek_weight=0.5"),
+    ("splitfed_v2", SplitStep, executorch_spec(), True, "activation checkpointing"),
+], ids=["protocol", "nopeek", "checkpoint"])
+def test_a_device_handed_a_round_the_program_cannot_train_refuses_it(protocol, client, spec,
+                                                                     checkpoint, message):
+    with pytest.raises(DeviceFailure, match=message):
+        client_step_type(protocol, client, spec, checkpoint=checkpoint)
+
+
+def test_a_device_refuses_stages_with_buffers():
+    model = digits_like_model("resnet")
+    with pytest.raises(DeviceFailure, match="hold buffers"):
+        ExecuTorchSplitStep(model, executorch_spec(), cut=1)
+
+
+def test_models_share_a_program_key_only_with_the_same_architecture():
+    cnn = architecture(digits_like_model("cnn"), 1)
+    assert architecture(digits_like_model("cnn", seed=1), 1) == cnn  # other weights only
+    others = [
+        architecture(digits_like_model("lenet5"), 1),
+        architecture(digits_like_model("cnn"), 2),
+        architecture(build_model("cnn", in_channels=1, image_size=16, num_classes=10), 1),
+        architecture(build_model("cnn", in_channels=3, image_size=8, num_classes=10), 1),
+        architecture(digits_like_model("cnn"), 1, config="another run's settings"),
+    ]
+    assert len({cnn, *others}) == 1 + len(others)
+
+
+def test_the_runs_model_and_dataset_settings_are_part_of_the_key():
+    spec = RunSpec()
+    assert model_settings(RunSpec()) == model_settings(spec)
+    spec.model.options = {"width": 2}
+    other_data = RunSpec()
+    other_data.dataset.image_size = 16
+    assert len({model_settings(RunSpec()), model_settings(spec), model_settings(other_data)}) == 3
