@@ -203,6 +203,16 @@ def through_relay(link: ShapedLink, rtt_s: float) -> tuple[subprocess.Popen, lis
     return relay, [f"dataplane.port={TRUNK_PORT}", f"dataplane.advertise_host={RELAY_HOST}"]
 
 
+def _wait_for(path: Path, timeout_s: float = 120.0) -> Path:
+    """Return ``path`` once it exists (the trunk writes it whole, by a rename)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s:g} s")
+        time.sleep(0.1)
+    return path
+
+
 def _stop(proc: subprocess.Popen | None) -> None:
     if proc is not None and proc.poll() is None:
         proc.kill()
@@ -275,12 +285,12 @@ def train_client(overrides: Sequence[str], *, token_file: Path, partition: int,
     cfg = compose_config(list(overrides))
     spec = run_spec(cfg, host_flops_per_s=0.0)
     torch.set_num_threads(spec.torch_threads)
-    access = json.loads(token_file.read_text())
     model = build_model_from_config(spec.model, spec.dataset)
     step = protocol_named(cfg.strategy.name).client(model, spec, cut=1, checkpoint=False)
     data = client_dataset(spec.dataset, spec.partitioner, seed=spec.seed,
                           partition_id=partition, num_partitions=partitions)
     loader = epoch_loader(data, spec, server_round=1, partition_id=partition)
+    access = json.loads(_wait_for(token_file).read_text())  # started beside the trunk
     channel = TrunkChannel(GrpcTransport(access["address"], access["token"]))
     try:
         report = train_round(step, channel, make_client_privacy(spec.privacy, loader),
@@ -304,24 +314,28 @@ def dataplane_round(link: ShapedLink, overrides: Sequence[str], *, folder: Path,
         link.exec(link.server, [*module, "--token-file", str(token_file), "trunk",
                                 f"dataplane.host={SERVER_IP}", *routing, *overrides]),
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # The client starts at once and waits for the trunk's address after its imports (each
+    # process takes seconds to import torch and Flower: side by side, not one after the other).
+    client = subprocess.Popen(
+        link.exec(link.device, [*module, "--token-file", str(token_file), "--partition",
+                                str(partition), "--partitions", str(partitions), "client",
+                                *overrides]),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not token_file.exists():
             if trunk.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the trunk did not start (exit {trunk.poll()})")
             time.sleep(0.2)
-        client = subprocess.run(
-            link.exec(link.device, [*module, "--token-file", str(token_file),
-                                    "--partition", str(partition), "--partitions",
-                                    str(partitions), "client", *overrides]),
-            cwd=ROOT, capture_output=True, text=True, timeout=300)
+        out, err = client.communicate(timeout=300)
         if client.returncode != 0:
-            raise RuntimeError(f"the client failed: {client.stderr[-3000:]}")
+            raise RuntimeError(f"the client failed: {err[-3000:]}")
         books, _ = trunk.communicate(input="", timeout=60)
     finally:
+        _stop(client)
         _stop(trunk)
         _stop(relay)
-    return json.loads(client.stdout.splitlines()[-1]), json.loads(books.splitlines()[-1])
+    return json.loads(out.splitlines()[-1]), json.loads(books.splitlines()[-1])
 
 
 # --- the benchmark: a real SuperNode -------------------------------------------------

@@ -75,7 +75,15 @@ class NodeKeys:
             log.warning("node %s sent no usable data-plane key: %s", node, problem)
             return
         assert isinstance(key, bytes)
+        if (owner := self._owner_of(key)) not in (None, node):
+            # Only the node holding the private key can use it, so a copy hurts no one
+            # but the copier; it is refused so that a proof always names one node.
+            log.warning("node %s sent node %s's data-plane key: not kept", node, owner)
+            return
         self._keys[node] = key
+
+    def _owner_of(self, key: bytes) -> int | None:
+        return next((n for n, k in self._keys.items() if k == key), None)
 
     def forget(self, nodes: Iterable[int]) -> None:
         """Drop the keys of ``nodes`` (they may have restarted with a new one)."""

@@ -146,6 +146,14 @@ def test_keys_are_asked_once_and_kept_for_the_nodes_that_answer_well(task_identi
     assert len(grid.calls) == 2
 
 
+def test_a_node_that_sends_another_nodes_key_gets_no_session(task_identity):
+    keys = NodeKeys(timeout_s=5)
+    alice = public_key_of(ALICE)
+    grid = ScriptedGrid([1, 2], answer_with(alice), node_keys=False)
+    assert keys.learn(grid, [1, 2]) == [1]  # node 2 copied node 1's key
+    assert keys.of(2) is None and keys.of(1) == alice
+
+
 def test_the_client_app_keeps_one_key_per_node_for_the_run(task_identity):
     grid = LocalGrid(build_client_app(), num_nodes=2)
     keys = NodeKeys(timeout_s=5)
