@@ -128,7 +128,8 @@ class TrunkEndpoint:
             self._check_proof(token, grant, proof)
         with self._lock:
             session = self._sessions.setdefault(token, Session(token, grant))
-            if proof is not None and grant.node_key is not None:
+            if grant.node_key is not None:  # the proof was checked: it is there
+                assert proof is not None
                 if proof_nonce(proof) in session.nonces:
                     raise SessionRefused("UNAUTHENTICATED", "node proof replayed: this nonce "
                                          "already opened a stream on this token")
