@@ -15,18 +15,25 @@ cut 1), 64 KiB (the ResNet-style network at 32x32, cut 1) and 256 KiB):
   bytes, sent the same number of bytes as the data plane's request frame, one
   at a time, on the same loopback.
 
-Both are measured interleaved in blocks of 20; the median per round trip is
-reported and the last line is JSON with the worst ratio.
+Both servers run in a process of their own, as deployed (a device and the
+trunk never share an interpreter, so neither side's Python waits for the
+other's), and then in the client's process, where both sides' Python takes
+turns under one GIL. Both stacks are measured interleaved in blocks of 20; the
+median per round trip is reported and the last line is JSON with the worst
+ratio in each placement.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import queue
 import statistics
 import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
+from multiprocessing.connection import Connection
 
 import grpc
 import torch
@@ -83,20 +90,29 @@ class EchoSession:
         """Nothing kept per stream."""
 
 
-class RawEcho:
-    """A bare gRPC server echoing every frame of a bidirectional stream, and one client."""
+class RawEchoServer:
+    """A bare gRPC server echoing every frame of a bidirectional stream."""
 
     def __init__(self, max_bytes: int) -> None:
-        options = [("grpc.max_receive_message_length", max_bytes),
-                   ("grpc.max_send_message_length", max_bytes)]
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=options)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
+                                  options=message_limits(max_bytes))
         service, method = RAW_METHOD.strip("/").split("/")
         handler = grpc.stream_stream_rpc_method_handler(lambda frames, _: iter(frames))
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service, {method: handler}),))
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         self.server.start()
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+
+    def stop(self) -> None:
+        """Stop serving."""
+        self.server.stop(0)
+
+
+class RawEchoClient:
+    """One stream to a :class:`RawEchoServer`, one frame in flight at a time."""
+
+    def __init__(self, address: str, max_bytes: int) -> None:
+        self.channel = grpc.insecure_channel(address, options=message_limits(max_bytes))
         self.requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self.replies = self.channel.stream_stream(RAW_METHOD)(self._frames())
 
@@ -110,10 +126,75 @@ class RawEcho:
         return next(self.replies)
 
     def close(self) -> None:
-        """End the stream and stop the server."""
+        """End the stream."""
         self.requests.put(None)
         self.channel.close()
-        self.server.stop(0)
+
+
+def message_limits(max_bytes: int) -> list[tuple[str, int]]:
+    """Return the channel options for messages of up to ``max_bytes`` each way."""
+    return [("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_send_message_length", max_bytes)]
+
+
+class Servers:
+    """The shipped service (one echo session per payload) and the raw echo, side by side.
+
+    ``addresses`` holds the data plane's and the raw server's, and one token per
+    payload (protocol ``echo-I`` for ``PAYLOADS[I]``).
+    """
+
+    def __init__(self, limits: DataPlaneConfig) -> None:
+        tokens = TokenRegistry()
+        sessions = {f"echo-{i}": EchoSession(shape, limits)
+                    for i, (_, shape) in enumerate(PAYLOADS)}
+        self.service = TrunkService(TrunkEndpoint(sessions, tokens, limits=limits))
+        self.service.start()
+        self.raw = RawEchoServer(limits.max_frame_bytes)
+        self.addresses = {
+            "data_plane": self.service.address, "raw": self.raw.address,
+            "tokens": [tokens.issue(client="bench", protocol=name, cut=1, server_round=1,
+                                    ttl_s=3600) for name in sessions],
+        }
+
+    def stop(self) -> None:
+        """Stop both servers."""
+        self.service.stop(0)
+        self.raw.stop()
+
+
+def serve_in_child(conn: Connection) -> None:
+    """Run a server process: start :class:`Servers`, send their addresses, wait."""
+    torch.set_num_threads(1)
+    servers = Servers(DataPlaneConfig())
+    conn.send(servers.addresses)
+    conn.recv()  # anything, or the parent gone (EOFError): stop
+    servers.stop()
+
+
+@contextlib.contextmanager
+def running_servers(limits: DataPlaneConfig, *, own_process: bool) -> Iterator[dict]:
+    """Start the servers here or in a process of their own; yield their addresses."""
+    if not own_process:
+        servers = Servers(limits)
+        try:
+            yield servers.addresses
+        finally:
+            servers.stop()
+        return
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=serve_in_child, args=(child,), daemon=True)
+    process.start()
+    try:
+        if not parent.poll(120):
+            raise RuntimeError("the benchmark's server process did not start in 120 s")
+        yield parent.recv()
+    finally:
+        parent.send("stop")
+        process.join(10)
+        if process.is_alive():
+            process.kill()
 
 
 def timed(run, *, repeats: int) -> list[float]:  # noqa: ANN001 - a callable of no arguments
@@ -126,19 +207,15 @@ def timed(run, *, repeats: int) -> list[float]:  # noqa: ANN001 - a callable of 
     return samples
 
 
-def measure_payload(shape: tuple[int, ...], limits: DataPlaneConfig, *, blocks: int, block: int
-                    ) -> tuple[int, float, float]:
-    """Return the request frame's bytes and the median ms of the data plane and of raw gRPC."""
-    tokens = TokenRegistry()
-    endpoint = TrunkEndpoint({"echo": EchoSession(shape, limits)}, tokens, limits=limits)
-    service = TrunkService(endpoint)
-    service.start()
-    token = tokens.issue(client="bench", protocol="echo", cut=1, server_round=1, ttl_s=3600)
-    channel = TrunkChannel(GrpcTransport(service.address, token))
+def measure_payload(index: int, addresses: dict, limits: DataPlaneConfig, *, blocks: int,
+                    block: int) -> tuple[int, float, float]:
+    """Return payload ``index``'s request frame bytes and the median ms of both stacks."""
+    shape = PAYLOADS[index][1]
+    channel = TrunkChannel(GrpcTransport(addresses["data_plane"], addresses["tokens"][index]))
     acts, labels = torch.rand(BATCH, *shape), torch.randint(0, 10, (BATCH,))
     frame = build(pb.Request, seq=1, forward={
         "activations": encode_tensor(acts), "labels": encode_tensor(labels)}).SerializeToString()
-    raw = RawEcho(4 * len(frame))
+    raw = RawEchoClient(addresses["raw"], limits.max_frame_bytes)
     ours, theirs = [], []
     try:
         for _ in range(2):  # warm-up: connections, first allocations
@@ -149,22 +226,32 @@ def measure_payload(shape: tuple[int, ...], limits: DataPlaneConfig, *, blocks: 
             theirs += timed(lambda: raw.round_trip(frame), repeats=block)
     finally:
         channel.close()
-        service.stop(0)
         raw.close()
     return len(frame), statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
 
 
 def bench_latency(overrides: Sequence[str], *, blocks: int = 25, block: int = 20) -> float:
-    """Print each payload's medians and ratio; return the worst ratio (data plane / raw)."""
+    """Print each payload's medians and ratio; return the worst with the servers apart.
+
+    The servers run in a process of their own first (as deployed: a device and the
+    server never share an interpreter), then in the client's.
+    """
     torch.set_num_threads(1)
     limits = DataPlaneConfig()
     rows = []
-    for label, shape in PAYLOADS:
-        size, mine, bare = measure_payload(shape, limits, blocks=blocks, block=block)
-        rows.append({"payload": label, "frame_bytes": size, "data_plane_ms": mine,
-                     "raw_grpc_ms": bare, "ratio": mine / bare})
-        print(f"{label:>34}: {size / 2**20:6.2f} MiB a frame; data plane {mine:7.3f} ms, "
-              f"raw gRPC {bare:7.3f} ms per round trip ({mine / bare:.2f}x)", flush=True)
-    worst = max(r["ratio"] for r in rows)
-    print(json.dumps({"worst_data_plane_over_raw_grpc": worst, "payloads": rows}))
-    return worst
+    for own_process in (True, False):
+        placement = "two processes" if own_process else "one process"
+        with running_servers(limits, own_process=own_process) as addresses:
+            for index, (label, _) in enumerate(PAYLOADS):
+                size, mine, bare = measure_payload(index, addresses, limits, blocks=blocks,
+                                                   block=block)
+                rows.append({"placement": placement, "payload": label, "frame_bytes": size,
+                             "data_plane_ms": mine, "raw_grpc_ms": bare, "ratio": mine / bare})
+                print(f"{placement:>13}, {label:>32}: {size / 2**20:5.2f} MiB a frame; data "
+                      f"plane {mine:7.3f} ms, raw gRPC {bare:7.3f} ms per round trip "
+                      f"({mine / bare:.2f}x)", flush=True)
+    worst = {p: max(r["ratio"] for r in rows if r["placement"] == p)
+             for p in ("two processes", "one process")}
+    print(json.dumps({"worst_data_plane_over_raw_grpc": worst["two processes"],
+                      "worst_in_one_process": worst["one process"], "payloads": rows}))
+    return worst["two processes"]

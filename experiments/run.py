@@ -55,6 +55,7 @@ def launch_simulation(cfg: DictConfig) -> None:
     from flwr.simulation import run_simulation
 
     from clients.app import app as client_app
+    from experiments.node_index import node_indexed_link_state
     from server.app import build_server_app
 
     if cfg.engine.name != "simulation":
@@ -65,12 +66,13 @@ def launch_simulation(cfg: DictConfig) -> None:
         backend_config = simulation_backend_config(cfg, ray_tmp)
         start_ray(backend_config["init_args"])
         try:
-            run_simulation(
-                server_app=build_server_app(cfg),
-                client_app=client_app,
-                num_supernodes=cfg.num_clients,
-                backend_config=backend_config,
-            )
+            with node_indexed_link_state():  # Flower's engine polls every node each tick
+                run_simulation(
+                    server_app=build_server_app(cfg),
+                    client_app=client_app,
+                    num_supernodes=cfg.num_clients,
+                    backend_config=backend_config,
+                )
         except Exception:
             # The engine died (e.g. Ray lost a process). Flower's ServerApp thread is
             # not a daemon and would wait out the round timeout for replies that can
