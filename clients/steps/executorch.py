@@ -39,7 +39,7 @@ from splitlearn.dataplane import TrunkChannel
 from splitlearn.models import SplittableModel
 
 #: Protocols whose device side is the split step the exported program implements.
-EXECUTORCH_PROTOCOLS = ("splitfed_v1", "splitfed_v2", "sequential")
+EXECUTORCH_PROTOCOLS = ("splitfed_v1", "splitfed_v2", "sglr", "sequential")
 #: The setting every refusal names.
 RUNTIME_KEY = "devices.runtime=executorch"
 CHECKPOINT_REFUSAL = (f"{RUNTIME_KEY} with activation checkpointing: the program's memory is "

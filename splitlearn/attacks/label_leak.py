@@ -17,7 +17,6 @@ Both are scored with ROC AUC (0.5 = no leak, 1 = labels recovered).
 from __future__ import annotations
 
 import torch
-from sklearn.metrics import roc_auc_score
 from torch import Tensor, nn
 
 from splitlearn.privacy.mechanism import per_sample_norms
@@ -35,6 +34,8 @@ def roc_auc(scores: Tensor, positives: Tensor) -> float:
     n_pos = int(positives.sum())
     if n_pos == 0 or n_pos == len(positives):
         raise ValueError(f"need positives and negatives, got {n_pos} and {len(positives) - n_pos}")
+    from sklearn.metrics import roc_auc_score  # scikit-learn's metrics import in seconds
+
     return float(roc_auc_score(positives.numpy(), scores.double().flatten().numpy()))
 
 def cut_layer_gradients(trunk: nn.Module, released: Tensor, labels: Tensor) -> Tensor:

@@ -10,8 +10,6 @@ import functools
 
 import datasets
 import numpy as np
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 DIGITS_IMAGE_SIZE = 8
 DIGITS_NUM_CLASSES = 10
@@ -52,6 +50,9 @@ def load_digits_splits(
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    # scikit-learn's model_selection imports its metrics (seconds): only where digits load.
+    from sklearn.model_selection import train_test_split
+
     images, labels = _load_scaled_digits()
     train_x, test_x, train_y, test_y = train_test_split(
         images,
@@ -65,6 +66,8 @@ def load_digits_splits(
 
 def _load_scaled_digits() -> tuple[np.ndarray, np.ndarray]:
     """Return digits images as float32 (N, 8, 8) in [0, 1] and int64 labels."""
+    from sklearn.datasets import load_digits
+
     bunch = load_digits()
     images = (bunch.images / _DIGITS_MAX_PIXEL).astype(np.float32)
     return images, bunch.target.astype(np.int64)

@@ -13,7 +13,6 @@ from splitlearn.privacy.accounting import (
     Step,
     compute_epsilon,
 )
-from splitlearn.privacy.dpsgd import DPSGDBottom, ExternalGradDPOptimizer
 from splitlearn.privacy.mechanism import (
     GaussianActivationMechanism,
     clip_per_sample,
@@ -43,3 +42,12 @@ __all__ = [
     "secret_generator",
     "with_release_at_cut",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # DP-SGD's classes subclass Opacus's, whose import takes seconds: load them on use.
+    if name in ("DPSGDBottom", "ExternalGradDPOptimizer"):
+        from splitlearn.privacy import dpsgd
+
+        return getattr(dpsgd, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,9 +14,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from opacus.accountants import RDPAccountant
-from opacus.accountants.analysis import rdp as rdp_analysis
+if TYPE_CHECKING:
+    from opacus.accountants import RDPAccountant
+
+# Opacus is imported where it is used: importing it takes seconds, and every ClientApp,
+# trunk worker and ServerApp process imports this module whether or not it adds noise.
 
 #: One entry of an accountant's history: (noise_multiplier, sample_rate, num_steps).
 Step = tuple[float, float, int]
@@ -87,6 +91,9 @@ def compute_epsilon(
     """
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp as rdp_analysis
+
     orders = list(alphas or RDPAccountant.DEFAULT_ALPHAS)
     entries = [check_step(noise_multiplier=s, sample_rate=q, num_steps=n) for s, q, n in history]
     entries = [e for e in entries if e[2] > 0]
@@ -120,8 +127,15 @@ class PrivacyAccountant:
     """
 
     def __init__(self, history: Iterable[Step] = ()) -> None:
-        self._rdp = RDPAccountant()
+        self._rdp: RDPAccountant | None = None  # made at the first step
         self.extend(history)
+
+    def _accountant(self) -> RDPAccountant:
+        if self._rdp is None:
+            from opacus.accountants import RDPAccountant
+
+            self._rdp = RDPAccountant()
+        return self._rdp
 
     def step(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
         """Record ``num_steps`` Gaussian steps at ``(noise_multiplier, sample_rate)``."""
@@ -129,7 +143,7 @@ class PrivacyAccountant:
             noise_multiplier=noise_multiplier, sample_rate=sample_rate, num_steps=num_steps
         )
         for _ in range(n):  # Opacus merges equal consecutive steps into one entry
-            self._rdp.step(noise_multiplier=s, sample_rate=q)
+            self._accountant().step(noise_multiplier=s, sample_rate=q)
 
     def extend(self, steps: Iterable[Step]) -> None:
         """Record several history entries in order."""
@@ -139,6 +153,8 @@ class PrivacyAccountant:
     @property
     def history(self) -> list[Step]:
         """A copy of the history: ``(noise_multiplier, sample_rate, num_steps)`` entries."""
+        if self._rdp is None:
+            return []
         return [tuple(entry) for entry in self._rdp.state_dict()["history"]]  # type: ignore[misc]
 
     @property
@@ -153,7 +169,7 @@ class PrivacyAccountant:
         if not self.history:
             return 0.0
         with _quiet_order_warning():
-            return float(self._rdp.get_epsilon(delta=delta))
+            return float(self._accountant().get_epsilon(delta=delta))
 
     def epsilon_unamplified(self, delta: float) -> float:
         """Epsilon at ``delta`` with every step taken at sample rate 1.

@@ -24,17 +24,18 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
-from opacus.data_loader import DPDataLoader
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from splitlearn.config import PrivacyConfig
 from splitlearn.privacy.accounting import Step
-from splitlearn.privacy.dpsgd import DPSGDBottom
 from splitlearn.privacy.mechanism import GaussianActivationMechanism, batch_coupled_modules
+
+if TYPE_CHECKING:
+    from splitlearn.privacy.dpsgd import DPSGDBottom
 
 
 class UnprotectableRelease(ValueError):
@@ -152,6 +153,8 @@ class DPSGDClientPrivacy(ClientPrivacy):
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__(settings, loader, generator=generator)
+        from opacus.data_loader import DPDataLoader  # Opacus only where DP-SGD runs
+
         # Opacus's DP data loader: q = 1 / batches per epoch, that many batches per
         # epoch, empty batches as zero-row tensors.
         self.dp_loader = DPDataLoader.from_data_loader(loader, generator=self.generator)
@@ -175,6 +178,8 @@ class DPSGDClientPrivacy(ClientPrivacy):
         self, trained: nn.Module, *, lr: float, momentum: float, weight_decay: float
     ) -> torch.optim.Optimizer:
         """Attach per-sample gradient hooks to ``trained``; return Opacus's DP optimiser."""
+        from splitlearn.privacy.dpsgd import DPSGDBottom
+
         self._dp = DPSGDBottom(
             trained, lr=lr, momentum=momentum, weight_decay=weight_decay,
             noise_multiplier=self.settings.noise_multiplier,

@@ -181,26 +181,31 @@ def test_the_cache_keeps_the_most_recently_given_back_programs():
 # --- the ClientApp path (devices.runtime=executorch) ----------------------------------------
 
 #: One device, 40 examples in batches of 16 (the last one 8: a program of its own), two rounds
-#: of SplitFed v1 with momentum: the second round exports from the weights the first sent back.
-CLIENTAPP_RUN = ("strategy=splitfed_v1", "num_clients=1", "strategy.min_train_nodes=1",
+#: with momentum: the second round exports from the weights the first sent back.
+CLIENTAPP_RUN = ("num_clients=1", "strategy.min_train_nodes=1",
                  "dataset=synthetic", "dataset.samples_per_client=40", "strategy.batch_size=16",
                  "model.cut=1", "strategy.momentum=0.5", "strategy.weight_decay=0.001")
 
 
 def run_with_runtime(tmp_path: Path, name: str, runtime: str, *overrides: str,
-                     concurrency: int = 1) -> tuple[TrainingResult, list[dict[str, str]]]:
+                     concurrency: int = 1, strategy: str = "splitfed_v1",
+                     ) -> tuple[TrainingResult, list[dict[str, str]]]:
     """Run ``CLIENTAPP_RUN`` through the real ClientApp; return the result and its rows."""
     run_dir = tmp_path / runtime
-    cfg = small_config(f"model={name}", *CLIENTAPP_RUN, *overrides,
+    cfg = small_config(f"model={name}", f"strategy={strategy}", *CLIENTAPP_RUN, *overrides,
                        f"devices.runtime={runtime}", run_dir=str(run_dir))
     return run_local(cfg, concurrency=concurrency), read_clients(run_dir)
 
 
-@pytest.mark.parametrize("name", ["cnn", "lenet5"])
-def test_the_clientapp_trains_through_executorch_as_it_does_eagerly(tmp_path, name):
-    eager, eager_rows = run_with_runtime(tmp_path, name, "eager")
+@pytest.mark.parametrize(("name", "strategy"), [
+    ("cnn", "splitfed_v1"), ("lenet5", "splitfed_v1"), ("cnn", "sglr"),
+], ids=["cnn", "lenet5", "cnn-sglr"])
+def test_the_clientapp_trains_through_executorch_as_it_does_eagerly(tmp_path, name, strategy):
+    """SGLR's device side is the same step; its trunk averages the gradients it sends."""
+    eager, eager_rows = run_with_runtime(tmp_path, name, "eager", strategy=strategy)
     PROGRAMS.clear()
-    executorch, executorch_rows = run_with_runtime(tmp_path, name, "executorch")
+    executorch, executorch_rows = run_with_runtime(tmp_path, name, "executorch",
+                                                   strategy=strategy)
 
     assert PROGRAMS.exports == 2  # round 1's two batch shapes; round 2 reused them
     assert max_param_diff(executorch.model, eager.model) <= TOLERANCE

@@ -25,6 +25,7 @@ from server.workers import TrunkWorkers, WorkerError
 from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
 from tests.conftest import small_config
 from tests.helpers import max_param_diff
+from tests.integration.test_simulation import read_clients
 
 CUT = 1
 
@@ -135,6 +136,14 @@ def test_one_client_per_worker_without_momentum_is_splitfed_v1(tmp_path):
     ours = run_local(small_config("dataplane.trunk_workers=3", *small,
                                   run_dir=str(tmp_path / "workers")))
     v1 = run_local(small_config("strategy=splitfed_v1", *small, run_dir=str(tmp_path / "v1")))
+
+    def work(run: str) -> list[tuple[str, ...]]:
+        rows = read_clients(tmp_path / run)
+        return [tuple(r.get(k, "") for k in ("round", "client", "status", "steps", "reason"))
+                for r in rows]
+
+    # Every client trained the same batches in both runs (a failure here names the reason).
+    assert work("workers") == work("v1")
     for a, b in zip(ours.history, v1.history, strict=True):
         assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-4, abs=1e-5)
     assert max_param_diff(ours.model, v1.model) < 1e-5

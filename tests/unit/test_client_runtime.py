@@ -24,7 +24,6 @@ from tests.conftest import digits_like_model
     (["devices.runtime=tflite"], "devices.runtime='tflite'; accepted: ['eager', 'executorch']"),
     (["strategy=ushaped"], "strategy=ushaped has another device side"),
     (["strategy=local_loss"], "strategy=local_loss has another device side"),
-    (["strategy=sglr"], "strategy=sglr has another device side"),
     (["strategy=fedavg"], "strategy=fedavg has another device side"),
     (["privacy=activation_gaussian", "privacy.noise_multiplier=0.5"],
      "with privacy=activation_gaussian"),
@@ -33,7 +32,7 @@ from tests.conftest import digits_like_model
     (["planner=smartsplit"], "with activation checkpointing"),
     (["model=resnet"], "model=resnet at cut 1: devices.runtime=executorch: the device's "
                        "stages hold buffers"),
-], ids=["unknown-runtime", "ushaped", "local-loss", "sglr", "fedavg", "activation-noise",
+], ids=["unknown-runtime", "ushaped", "local-loss", "fedavg", "activation-noise",
         "dpsgd", "nopeek", "checkpointing-planner", "batchnorm"])
 def test_what_the_program_cannot_train_is_refused_before_the_run(overrides, message):
     with pytest.raises(ValueError) as err:
@@ -44,10 +43,10 @@ def test_what_the_program_cannot_train_is_refused_before_the_run(overrides, mess
 
 
 @pytest.mark.parametrize("overrides", [
-    ["strategy=splitfed_v1"], ["strategy=splitfed_v2"], ["strategy=sequential"],
+    ["strategy=splitfed_v1"], ["strategy=splitfed_v2"], ["strategy=sglr"], ["strategy=sequential"],
     ["model=lenet5"], ["planner=greedy"], ["planner=smartsplit", "planner.checkpointing=false"],
     ["+privacy.label_epsilon=2.0"], ["compression=int8"],
-], ids=["splitfed-v1", "splitfed-v2", "sequential", "lenet5", "greedy",
+], ids=["splitfed-v1", "splitfed-v2", "sglr", "sequential", "lenet5", "greedy",
         "smartsplit-without-checkpointing", "label-dp", "compression"])
 def test_the_split_protocols_are_accepted_with_the_program(overrides):
     check_config(compose_config(["devices.runtime=executorch", *overrides]))
