@@ -191,7 +191,8 @@ def running_servers(limits: DataPlaneConfig, *, own_process: bool) -> Iterator[d
             raise RuntimeError("the benchmark's server process did not start in 120 s")
         yield parent.recv()
     finally:
-        parent.send("stop")
+        with contextlib.suppress(OSError):  # a server process already gone has no pipe
+            parent.send("stop")
         process.join(10)
         if process.is_alive():
             process.kill()

@@ -4,7 +4,9 @@ One trunk steps one batch at a time in one process, so SplitFed v2 cannot use mo
 than about one core of the server however many clients train. With
 ``dataplane.trunk_workers=W`` (W > 1) the ServerApp starts W worker processes, each
 serving the data plane with its own copy of the trunk and optimiser. Each round's
-clients are dealt to the workers in turn as their tokens are issued; within a
+clients are dealt to the workers in turn as their tokens are issued (in node order,
+from the first worker each round, so a run's merges add the same copies in the same
+order whatever order Flower drew the nodes in); within a
 worker the trunk is shared and steps per batch (SplitFed v2), and at round end the
 worker copies are merged stage by stage and weighted by samples, with the clients'
 copies, as SplitFed v1 merges its per-client copies (:mod:`server.sessions.merge`).
@@ -252,6 +254,7 @@ class TrunkWorkers:
         self.tokens = tokens
         self._workers = self._start(recipe, workers)
         self._deal = itertools.cycle(self._workers)
+        self._dealing_round: int | None = None
         self._held: dict[str, TrunkWorker] = {}  # token -> the worker that holds it
         self._held_lock = threading.Lock()
         self._stale = True  # the workers' copies differ from the ServerApp's trunk
@@ -301,6 +304,9 @@ class TrunkWorkers:
         if grant is None:
             raise ValueError("route: the token is unknown, expired or revoked")
         self._sync()
+        if grant.server_round != self._dealing_round:  # a new round: deal from the first
+            self._deal = itertools.cycle(self._workers)
+            self._dealing_round = grant.server_round
         worker = next(self._deal)
         worker.call("grant", token, grant)
         with self._held_lock:

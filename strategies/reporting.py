@@ -283,7 +283,10 @@ class ReportingFedAvg(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample as FedAvg does, let :meth:`choose` keep some; type and fill each message."""
-        messages = list(super().configure_train(server_round, arrays, config, grid))
+        # In node order, not the order Flower drew them in: tokens, and so trunk
+        # workers, go to the same nodes in the same order in every run of a seed.
+        messages = sorted(super().configure_train(server_round, arrays, config, grid),
+                          key=lambda m: m.metadata.dst_node_id)
         ready = self.ready(grid, [m.metadata.dst_node_id for m in messages])
         kept = set(self.choose(server_round, ready))
         self._round_started = time.perf_counter()
