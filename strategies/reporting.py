@@ -374,7 +374,9 @@ class ReportingFedAvg(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Record every client, average those that finished, report the round."""
-        replies, lost = self._own_replies(list(replies))
+        # In node order, not arrival order: a float sum depends on its order, so the
+        # same replies give the same average in every run.
+        replies, lost = self._own_replies(sorted(replies, key=lambda r: r.metadata.src_node_id))
         round_train_s = time.perf_counter() - self._round_started
         statuses = [reply_status(r, deadline_s=self.round_deadline_s) for r in replies]
         problems = self._refuse_bad_arrays(replies, statuses)
