@@ -90,6 +90,18 @@ def reply_metrics(reply: Message) -> MetricRecord:
     return next(iter(reply.content.metric_records.values()), MetricRecord())
 
 
+def reply_order(reply: Message) -> tuple[int, int, int]:
+    """Sort key of a round's replies: by the client's partition, then by node id.
+
+    A float sum depends on its order, so a round is averaged in an order that is
+    the same in every run: the Simulation Engine draws new node ids each run, the
+    partitions stay. Replies without a partition (errors) come after, by node id.
+    """
+    partition = reply_metrics(reply).get("partition-id")
+    node = reply.metadata.src_node_id
+    return (0, int(partition), node) if partition is not None else (1, 0, node)
+
+
 def reply_status(reply: Message, *, deadline_s: float | None) -> str:
     """Return the reply's status: its status record, ``failed``, ``straggler`` or ``ok``."""
     if reply.has_error():
@@ -284,7 +296,8 @@ class ReportingFedAvg(FedAvg):
     ) -> Iterable[Message]:
         """Sample as FedAvg does, let :meth:`choose` keep some; type and fill each message."""
         # In node order, not the order Flower drew them in: tokens, and so trunk
-        # workers, go to the same nodes in the same order in every run of a seed.
+        # workers, go to the same nodes in the same order whenever the node ids are
+        # the same (the Simulation Engine draws new ones each run).
         messages = sorted(super().configure_train(server_round, arrays, config, grid),
                           key=lambda m: m.metadata.dst_node_id)
         ready = self.ready(grid, [m.metadata.dst_node_id for m in messages])
@@ -374,9 +387,7 @@ class ReportingFedAvg(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Record every client, average those that finished, report the round."""
-        # In node order, not arrival order: a float sum depends on its order, so the
-        # same replies give the same average in every run.
-        replies, lost = self._own_replies(sorted(replies, key=lambda r: r.metadata.src_node_id))
+        replies, lost = self._own_replies(sorted(replies, key=reply_order))
         round_train_s = time.perf_counter() - self._round_started
         statuses = [reply_status(r, deadline_s=self.round_deadline_s) for r in replies]
         problems = self._refuse_bad_arrays(replies, statuses)

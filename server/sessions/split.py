@@ -106,7 +106,9 @@ class TrunkPerClient:
     def __init__(self, trunk: Trunk) -> None:
         self.trunk = trunk
         self._copies: dict[str, Trunk] = {}
-        self._finished: list[Trunk] = []  # this round's copies of clients that finished
+        # This round's finished clients in the order given, each with its copy (None:
+        # it sent the trunk nothing), so that the merge can pair it with the client's.
+        self._finished: list[Trunk | None] = []
         self._lock = threading.Lock()
 
     def trunk_for(self, client: str) -> Trunk:
@@ -120,20 +122,40 @@ class TrunkPerClient:
         """Keep the finished clients' copies for the merge; drop the others."""
         with self._lock:
             copies, self._copies = self._copies, {}
-        self._finished = [copies[c] for c in finished if c in copies and copies[c].samples > 0]
+        self._finished = [t if (t := copies.get(c)) is not None and t.samples > 0 else None
+                          for c in finished]
 
     def merge_round(self, clients: Sequence[StageCopy], *, upto: int) -> dict[str, Tensor]:
         """Merge client copies and the finished trunk copies per stage into the global trunk.
 
-        Returns the clients' stages of the merged model, as :meth:`SharedTrunk.merge_round`.
+        ``clients`` are the copies of the clients :meth:`finish_round` was given, in
+        the same order. Returns the clients' stages of the merged model, as
+        :meth:`SharedTrunk.merge_round`.
         """
-        kept, self._finished = self._finished, []
-        copies = [trunk_copy(t.stage_state(), t.take_stage_samples()) for t in kept]
-        merged = merge_stages([*clients, *copies])
+        finished, self._finished = self._finished, []
+        kept = [t for t in finished if t is not None]
+        merged = merge_stages(paired_copies(clients, finished))
         self.trunk.load_stages(merged)
         self.trunk.add_books(steps=sum(t.steps for t in kept),
                         samples=sum(t.samples for t in kept), busy_s=sum(t.busy_s for t in kept))
         return client_stages(merged, self.trunk.stage_state(), clients, upto=upto)
+
+
+def paired_copies(clients: Sequence[StageCopy], trunks: Sequence[Trunk | None]) -> list[StageCopy]:
+    """Return each client's copy followed by its trunk copy, client by client.
+
+    Every stage then adds up its copies in client order, whichever side trained it,
+    as FedAvg adds up whole models: the same sums to the bit whatever the cuts
+    (float addition depends on its order; all client copies first, then all trunk
+    copies, measured 1.7e-3 from FedAvg after 3 rounds of moving cuts). Lists that do
+    not pair up (a caller that merges other clients than it finished) are merged
+    clients first.
+    """
+    copies = [trunk_copy(t.stage_state(), t.take_stage_samples()) if t is not None else None
+              for t in trunks]
+    if len(clients) != len(copies):
+        return [*clients, *(c for c in copies if c is not None)]
+    return [c for pair in zip(clients, copies, strict=True) for c in pair if c is not None]
 
 
 @dataclass(frozen=True)

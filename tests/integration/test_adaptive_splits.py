@@ -28,13 +28,15 @@ def test_splitfed_v1_with_different_and_moving_cuts_is_fedavg_of_the_whole_model
     v1_dir = run_experiment(tmp_path / "v1", "strategy=splitfed_v1", *ROTATING, *three)
     fedavg_dir = run_experiment(tmp_path / "fedavg", "strategy=fedavg", *three)
     fedavg = {"rounds": rounds_of(fedavg_dir), "model": torch.load(fedavg_dir / "model.pt")}
-    for a, b in zip(rounds_of(v1_dir), fedavg["rounds"], strict=True):
-        assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-4, abs=1e-5)
-    # The same weights up to float32 rounding, which early training amplifies: measured
-    # 2.7e-4 after 3 rounds (uniform v1 drifts as far). Merges gone wrong, measured:
-    # copies weighted equally instead of by samples 2.3e-3, trunk copies left out 5.5e-2.
+    assert [r["test_loss"] for r in rounds_of(v1_dir)] == [
+        r["test_loss"] for r in fedavg["rounds"]]
+    # Bit for bit: both average a round by partition, and each stage adds a client's
+    # copy, whichever side holds it, where FedAvg adds that client's model. Summed in
+    # another order (client copies first, or by the engine's random node ids) the same
+    # maths drifted to 1.7e-3 after 3 rounds; merges gone wrong, measured: copies
+    # weighted equally instead of by samples 2.3e-3, trunk copies left out 5.5e-2.
     v1_model = torch.load(v1_dir / "model.pt")
-    assert max((v1_model[k] - t).abs().max().item() for k, t in fedavg["model"].items()) < 1e-3
+    assert max((v1_model[k] - t).abs().max().item() for k, t in fedavg["model"].items()) == 0.0
     cuts = cuts_by_round(read_clients(v1_dir))
     assert all(set(cuts[r].values()) == {1, 2, 3} for r in ("1", "2", "3"))
     assert all(cuts["1"][c] != cuts["2"][c] != cuts["3"][c] for c in cuts["1"])  # all moved

@@ -146,7 +146,8 @@ def test_one_client_per_worker_without_momentum_is_splitfed_v1(tmp_path):
     assert work("workers") == work("v1")
     for a, b in zip(ours.history, v1.history, strict=True):
         assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-4, abs=1e-5)
-    # Bit for bit: the copies are merged in node order in both (clients are dealt to the
-    # workers in node order from the first each round), so no sum is reordered.
+    # Bit for bit: clients are dealt to the workers in node order from the first each
+    # round, and SplitFed v1 merges by partition, which here follows the node id: no sum
+    # is reordered.
     assert max_param_diff(ours.model, v1.model) == 0.0
 

@@ -116,6 +116,28 @@ def test_a_trunk_copy_per_client_with_any_cuts_averages_every_stage_once_per_cli
     assert (pool.trunk.steps, pool.trunk.samples) == (2, 32)
 
 
+def test_a_trunk_copy_per_client_with_any_cuts_is_flowers_fedavg_to_the_bit():
+    """Three clients at cuts 1, 3 and 2: each stage adds its copies in client order,
+    whichever side holds them, as Flower's FedAvg adds up the whole models."""
+    model = digits_like_model()
+    pool = TrunkPerClient(Trunk(copy.deepcopy(model), lr=LR))
+    session = SplitSession(pool, limits=LIMITS)
+    clients = {"a": (1, 8), "b": (3, 24), "c": (2, 16)}
+    sides = {}
+    for seed, (client, (cut, batch)) in enumerate(clients.items()):
+        train_on_batch(pool.trunk_for(client), cut, *acts_at(model, cut, seed, batch))
+        sides[client] = client_state(model, cut, 10 + seed)
+    whole = {c: {**pool.trunk_for(c).stage_state(), **sides[c]} for c in clients}
+    session.finish_round(list(clients))
+    session.merge_round([(sides[c], n) for c, (_, n) in clients.items()], upto=3)
+    replies = [RecordDict({"arrays": state_to_record(whole[c]), "metrics": MetricRecord(
+        {"num-examples": n})}) for c, (_, n) in clients.items()]
+    fedavg = record_to_state(aggregate_arrayrecords(replies, "num-examples"))
+    merged = pool.trunk.stage_state()
+    for key, value in fedavg.items():
+        assert torch.equal(merged[key], value), key
+
+
 def test_merge_keeps_dtypes_and_a_lone_copy_bit_for_bit():
     state = {"0.weight": torch.randn(3), "0.num_batches_tracked": torch.tensor(7)}
     other = {"0.weight": torch.randn(3), "0.num_batches_tracked": torch.tensor(10)}

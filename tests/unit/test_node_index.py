@@ -66,9 +66,8 @@ def indexed_federation(num_nodes: int) -> Federation:
         return Federation(num_nodes)
 
 
-@pytest.fixture(autouse=True)
-def _restore_task_identity(task_identity: None) -> None:
-    """Each federation sets the task identity; the fixture puts it back afterwards."""
+# Each federation sets the task identity; the fixture puts it back afterwards.
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def test_the_factory_builds_the_index_inside_the_block_only() -> None:
@@ -126,7 +125,7 @@ def test_an_expired_message_is_dropped_as_flower_drops_it() -> None:
     assert indexed.state.num_message_ins() == reference.state.num_message_ins() == 1
 
 
-def test_a_sweep_over_many_idle_nodes_does_not_scan_the_store() -> None:
+def test_a_sweep_over_many_idle_nodes_does_not_scan_the_store(monkeypatch) -> None:
     """10 pending of 2,000 registered: Flower's sweep scans 2,000 x 10, the index 10."""
     indexed = indexed_federation(2000)
     for node in range(10):
@@ -139,10 +138,7 @@ def test_a_sweep_over_many_idle_nodes_does_not_scan_the_store() -> None:
         scans += 1
         return original(self, *args, **kwargs)
 
-    InMemoryLinkState.get_message_ins = counting  # type: ignore[method-assign]
-    try:
-        delivered = [m for node in range(2000) for m in indexed.poll(node, 1)]
-    finally:
-        InMemoryLinkState.get_message_ins = original  # type: ignore[method-assign]
+    monkeypatch.setattr(InMemoryLinkState, "get_message_ins", counting)
+    delivered = [m for node in range(2000) for m in indexed.poll(node, 1)]
     assert sorted(delivered) == [(n, n) for n in range(10)]
     assert scans == 10
