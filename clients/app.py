@@ -136,6 +136,7 @@ class ClientRound:
     data_path: str | None = None  # a device's own data (node config data-path)
     label_secret: int | None = None  # privacy.label_epsilon: seeds the node's label draw
     node_key: bytes | None = None  # this node's data-plane private key, once it has one
+    max_steps: int | None = None  # partial work: the planner's cap on this round's batches
 
     @classmethod
     def read(cls, msg: Message, context: Context) -> ClientRound:
@@ -161,6 +162,7 @@ class ClientRound:
             data_path=str(node[DATA_KEY]) if node.get(DATA_KEY) else None,
             label_secret=_label_secret(context) if spec.privacy.label_epsilon else None,
             node_key=_held_node_key(context),
+            max_steps=int(data.get("max_steps", 0)) or None,
         )
 
     def proof(self) -> bytes | None:
@@ -383,7 +385,8 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     privacy.check_source(step.bottom)
     accountant = _load_accountant(context)
     try:
-        # The whole round is charged before anything leaves the device.
+        # The whole round is charged before anything leaves the device (a partial round,
+        # max_steps, is charged as a whole one: an upper bound on what it releases).
         _charge(context, accountant, privacy.round_steps(epochs=spec.strategy.local_epochs),
                 spec=spec, floor=floor)
         gradient_epsilon = _charge_returned_gradients(context, spec)
@@ -395,7 +398,8 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
                    if step.needs_channel else None)
         try:
             report = train_round(step, channel, privacy, epochs=spec.strategy.local_epochs,
-                                 on_step=_dropout_hook(plan, channel), pacer=pacer)
+                                 on_step=_dropout_hook(plan, channel), pacer=pacer,
+                                 max_steps=rnd.max_steps)
         finally:
             if channel is not None:
                 channel.close()
@@ -408,6 +412,9 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     if pacer is not None:  # ... and last sends them back
         pacer.transfer(bytes_up=weights.up)
     metrics = _train_metrics(rnd, plan, report, memory, weights)
+    # A whole round's work, which the planner plans with even when it asked for part of it.
+    metrics["round-examples"] = len(loader.dataset) * spec.strategy.local_epochs
+    metrics["round-steps"] = len(loader) * spec.strategy.local_epochs
     # The device's own wall time (waiting for the trunk is the trunk's, charged per round):
     # with devices.emulate, what virtual-s predicts.
     metrics["device-wall-s"] = time.perf_counter() - started - report.wait_s

@@ -9,11 +9,13 @@ waiting for the trunk, so the virtual clock can rescale it for a slower device.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from clients.device import Pacer
@@ -122,6 +124,13 @@ class _Traffic:
         return (self.channel.bytes_down if self.channel else 0) + self.step.extra_bytes_down
 
 
+def _capped(privacy: ClientPrivacy, *, epochs: int, max_steps: int | None
+            ) -> Iterator[tuple[Tensor, Tensor]]:
+    """Yield ``epochs`` passes of the privacy option's batches, stopping after ``max_steps``."""
+    batches = itertools.chain.from_iterable(privacy.batches() for _ in range(epochs))
+    return itertools.islice(batches, max_steps)
+
+
 def train_round(
     step: ClientStep,
     channel: TrunkChannel | None,
@@ -130,6 +139,7 @@ def train_round(
     epochs: int,
     on_step: Callable[[int], None] | None = None,
     pacer: Pacer | None = None,
+    max_steps: int | None = None,
 ) -> TrainReport:
     """Train the step's modules for ``epochs`` passes; return the round's report.
 
@@ -147,6 +157,8 @@ def train_round(
         Called with the step count after every step; an exception aborts the round.
     pacer : Pacer, optional
         Makes each batch take as long as the emulated device would.
+    max_steps : int, optional
+        Stop after this many steps (partial work: what fits the round's deadline).
     """
     train = step.spec.strategy
     optimizer = privacy.make_optimizer(
@@ -155,28 +167,27 @@ def train_round(
     step.release = privacy.release
     step.trained().train()
     traffic, tally = _Traffic(step, channel), RoundTally()
-    for _ in range(epochs):
-        for inputs, labels in privacy.batches():
-            if len(labels) == 0:  # DP-SGD: a noise-only step hides that the batch was empty
-                optimizer.zero_grad(set_to_none=True)
-                optimizer.step()
-                tally.steps += 1
-                tally.empty += 1
-                if on_step is not None:
-                    on_step(tally.steps)
-                continue
-            started, waited = time.perf_counter(), traffic.wait_s
-            up, down = traffic.up, traffic.down
-            loss, correct = step.train_batch(inputs, labels, channel, optimizer)
-            wall = time.perf_counter() - started
-            compute = wall - (traffic.wait_s - waited)
-            steps = tally.add_batch(size=len(labels), correct=correct, loss=loss, compute_s=compute)
-            if pacer is not None:  # the trunk's time is the trunk's: pace the device's own part
-                pacer.after_batch(ClientMeasurement(
-                    compute, traffic.up - up, traffic.down - down, step.exchanges_per_batch,
-                ), wall_s=compute)
+    for inputs, labels in _capped(privacy, epochs=epochs, max_steps=max_steps):
+        if len(labels) == 0:  # DP-SGD: a noise-only step hides that the batch was empty
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+            tally.steps += 1
+            tally.empty += 1
             if on_step is not None:
-                on_step(steps)
+                on_step(tally.steps)
+            continue
+        started, waited = time.perf_counter(), traffic.wait_s
+        up, down = traffic.up, traffic.down
+        loss, correct = step.train_batch(inputs, labels, channel, optimizer)
+        wall = time.perf_counter() - started
+        compute = wall - (traffic.wait_s - waited)
+        steps = tally.add_batch(size=len(labels), correct=correct, loss=loss, compute_s=compute)
+        if pacer is not None:  # the trunk's time is the trunk's: pace the device's own part
+            pacer.after_batch(ClientMeasurement(
+                compute, traffic.up - up, traffic.down - down, step.exchanges_per_batch,
+            ), wall_s=compute)
+        if on_step is not None:
+            on_step(steps)
     step.finish(channel)
     return TrainReport(
         examples=tally.examples, steps=tally.steps,

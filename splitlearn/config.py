@@ -438,6 +438,9 @@ class PlannerConfig:
     # smartsplit: if set, the fewest; each round the size in between with the most utility
     # per predicted second trains (None: always select_fraction)
     min_select_fraction: float | None = None
+    # smartsplit: if set, partial work: each round gets a deadline, and a selected device
+    # trains the batches that end by it, at least this share of its round (None: all)
+    min_work: float | None = None
     exploration: float = 0.1  # smartsplit: weight of the staleness bonus (Oort's 0.1)
     straggler_penalty: float = 2.0  # smartsplit: exponent of the slow-device penalty (Oort's 2)
     selection: str = "utility"  # smartsplit: utility | random (the baseline among feasible ones)
@@ -465,6 +468,8 @@ class PlannerConfig:
                 0 < self.min_select_fraction <= self.select_fraction):
             raise ValueError(f"planner.min_select_fraction must be in (0, select_fraction="
                              f"{self.select_fraction}], got {self.min_select_fraction}")
+        if self.min_work is not None and not 0 < self.min_work <= 1:
+            raise ValueError(f"planner.min_work must be in (0, 1], got {self.min_work}")
         if self.selection not in ("utility", "random"):
             raise ValueError(f"planner.selection={self.selection!r}; accepted: utility, random")
         for key in ("exploration", "straggler_penalty"):

@@ -58,6 +58,7 @@ def build_planner(cfg: PlannerConfig, cuts: Sequence[CutCost], *, shared_trunk: 
         "dynsl": {"every": cfg.every, "hysteresis": cfg.hysteresis},
         "smartsplit": {"select_fraction": cfg.select_fraction,
                        "min_select_fraction": cfg.min_select_fraction,
+                       "min_work": cfg.min_work,
                        "exploration": cfg.exploration,
                        "straggler_penalty": cfg.straggler_penalty, "selection": cfg.selection,
                        "seed": seed},
@@ -188,8 +189,11 @@ class CutPlanning:
             download_s=_positive(metrics.get("virtual-download-s")),
             exchanges=int(metrics["steps"]) * cost.exchanges_per_batch,
             latency_s=_positive(metrics.get("virtual-latency-s")),
-            memory_bytes=_positive(metrics.get("memory-budget")), samples=samples,
-            batches=int(metrics["steps"]), loss=float(metrics["train-loss"]),
+            memory_bytes=_positive(metrics.get("memory-budget")),
+            # Its whole round's workload (partial work trains less of it).
+            samples=int(metrics.get("round-examples", samples)),
+            batches=int(metrics.get("round-steps", metrics["steps"])),
+            loss=float(metrics["train-loss"]),
             label_coverage=float(metrics.get("label-coverage", 1.0)), cut=cost.cut,
         )
         return samples * cost.server_flops_per_sample

@@ -51,7 +51,8 @@ SUMMED_METRICS = ("num-examples", "steps", "bytes-up", "bytes-down", "weights-by
 #: Metrics whose round value is the worst client's (the slowest device sets the pace).
 MAX_METRICS = ("virtual-s", "epsilon", "epsilon-vs-server", "peak-memory-bytes")
 #: Per-client labels, meaningless when averaged.
-CLIENT_ONLY_METRICS = ("partition-id", "cut", "checkpoint", "memory-budget")
+CLIENT_ONLY_METRICS = ("partition-id", "cut", "checkpoint", "memory-budget", "round-examples",
+                       "round-steps")
 
 
 @dataclass

@@ -185,6 +185,7 @@ class SplitFed(ReportingFedAvg):
         assigned = self.assignment(node)
         record = super().round_record(node, server_round) | {
             "cut": assigned.cut, "checkpoint": assigned.checkpoint,
+            "max_steps": assigned.steps or 0,  # partial work: the batches it trains (0: all)
         }
         keys = self.dataplane.node_keys
         token = self.dataplane.tokens.issue(

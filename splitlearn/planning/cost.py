@@ -22,6 +22,7 @@ gives ``max_i (T_i(c_i) + W_i(c_i))``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -139,11 +140,16 @@ class ClientState:
 
 @dataclass(frozen=True)
 class Assignment:
-    """One client's part in a round: its cut and whether it checkpoints."""
+    """One client's part in a round: its cut, whether it checkpoints, how much it trains.
+
+    ``steps`` caps the batches it trains this round (partial work: a slow device
+    trains what fits the round's deadline); None is its whole round.
+    """
 
     client: str
     cut: int
     checkpoint: bool = False
+    steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,54 @@ def client_seconds(client: ClientState, cost: CutCost, *, checkpoint: bool = Fal
 def trunk_seconds(client: ClientState, cost: CutCost, *, trunk_flops_per_s: float) -> float:
     """Predicted seconds the trunk works for ``client`` at ``cost.cut``."""
     return client.samples * cost.server_flops_per_sample / trunk_flops_per_s
+
+
+@dataclass(frozen=True)
+class RoundWork:
+    """A client's round at one cut as a line in the batches it trains (partial work).
+
+    Its weights cross once whatever it trains (``fixed_s``); each batch adds the
+    same compute, activations, gradients and round trips (``per_batch_s``) and the
+    same trunk work (``trunk_per_batch_s``). At ``batches`` steps the times are
+    :func:`client_seconds` and :func:`trunk_seconds`.
+    """
+
+    batches: int
+    fixed_s: float
+    per_batch_s: float
+    trunk_per_batch_s: float
+
+    @classmethod
+    def of(cls, client: ClientState, cost: CutCost, *, trunk_flops_per_s: float,
+           checkpoint: bool = False) -> RoundWork:
+        """Return ``client``'s round at ``cost.cut`` as a line."""
+        whole = client_seconds(client, cost, checkpoint=checkpoint)
+        fixed = client_seconds(replace(client, samples=0, batches=0), cost, checkpoint=checkpoint)
+        trunk = trunk_seconds(client, cost, trunk_flops_per_s=trunk_flops_per_s)
+        batches = max(client.batches, 1)
+        return cls(client.batches, fixed, (whole - fixed) / batches, trunk / batches)
+
+    def client_s(self, steps: int) -> float:
+        """Client seconds when it trains ``steps`` batches."""
+        return self.fixed_s + steps * self.per_batch_s
+
+    def trunk_s(self, steps: int) -> float:
+        """Trunk seconds for ``steps`` of its batches."""
+        return steps * self.trunk_per_batch_s
+
+    def steps_within(self, deadline_s: float) -> int:
+        """Return the most batches that end by ``deadline_s`` (0: not even its weights)."""
+        if self.client_s(self.batches) <= deadline_s:
+            return self.batches
+        if self.per_batch_s <= 0 or deadline_s < self.fixed_s:
+            return 0
+        steps = min(self.batches, math.floor((deadline_s - self.fixed_s) / self.per_batch_s))
+        # The division rounds: settle on the definition, client_s(steps) <= deadline_s.
+        while steps < self.batches and self.client_s(steps + 1) <= deadline_s:
+            steps += 1
+        while steps > 0 and self.client_s(steps) > deadline_s:
+            steps -= 1
+        return steps
 
 
 def fits(client: ClientState, cost: CutCost, *, checkpoint: bool = False) -> bool:

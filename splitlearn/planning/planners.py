@@ -30,6 +30,7 @@ from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 from splitlearn.planning.cost import ClientState, CutCost, Plan, makespan, move_bytes
+from splitlearn.planning.deadline import PartialChoice, deadline_choices, plan_with_steps
 from splitlearn.planning.solve import (
     Option,
     TooManyAssignments,
@@ -357,6 +358,12 @@ class SmartSplitPlanner(FlooredPlanner):
     of the fleet, waiting for more of them costs more than their data brings;
     when the fleet is fast, more devices take part.
 
+    With ``min_work`` (partial work) the round also gets a deadline: each selected
+    device trains the batches that end by it, at least ``min_work`` of its round,
+    and the deadline is the one of most utility trained per predicted second
+    (:mod:`splitlearn.planning.deadline`). A slow device then trains part of its
+    round instead of setting the round's length, and its data still takes part.
+
     Parameters
     ----------
     select_fraction : float
@@ -369,6 +376,9 @@ class SmartSplitPlanner(FlooredPlanner):
         Weight of the staleness bonus, >= 0 (Oort's 0.1).
     straggler_penalty : float
         Exponent of the slow-device penalty, >= 0 (Oort's 2; 0: none).
+    min_work : float | None
+        If given, in (0, 1]: partial work, the least share of its round a selected
+        device trains. None: every selected device trains its whole round.
     selection : str
         ``"utility"`` as above, or ``"random"``: ``m`` feasible devices drawn
         at random each round (seeded by ``seed`` and the round), their cuts
@@ -389,6 +399,7 @@ class SmartSplitPlanner(FlooredPlanner):
         straggler_penalty: float = 2.0,
         *,
         min_select_fraction: float | None = None,
+        min_work: float | None = None,
         selection: str = "utility",
         seed: int = 0,
         min_cut: int | None = None,
@@ -401,6 +412,9 @@ class SmartSplitPlanner(FlooredPlanner):
             raise ValueError(f"min_select_fraction must lie in (0, select_fraction="
                              f"{select_fraction}], got {min_select_fraction}")
         self.min_select_fraction = min_select_fraction
+        if min_work is not None and not 0 < min_work <= 1:
+            raise ValueError(f"min_work must lie in (0, 1], got {min_work}")
+        self.min_work = min_work
         if exploration < 0:
             raise ValueError(f"exploration must be >= 0, got {exploration}")
         if straggler_penalty < 0:
@@ -443,20 +457,28 @@ class SmartSplitPlanner(FlooredPlanner):
             clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_checkpoint=True
         )
         feasible = [i for i, opts in enumerate(options) if opts]
-        best: tuple[float, set[int], list[Option | None]] | None = None
+        best: tuple[float, set[int], list[Option | None], list[PartialChoice | None] | None]
+        best = (-math.inf, set(), [None] * len(clients), None)
         for m in self.selection_sizes(len(clients)):
             selected = self._select(server_round, clients, options, feasible, m)
             in_pool = [opts if i in selected else [] for i, opts in enumerate(options)]
             chosen = choose_options(in_pool, select=None, shared_trunk=self.shared_trunk)
-            rate = _utility_rate(clients, chosen, shared_trunk=self.shared_trunk)
-            if best is None or rate > best[0]:
-                best = (rate, selected, chosen)
-        assert best is not None
-        _, selected, chosen = best
+            partial = None
+            if self.min_work is None:
+                rate = _utility_rate(clients, chosen, shared_trunk=self.shared_trunk)
+            else:
+                rate, partial = deadline_choices(
+                    clients, chosen, cuts, min_work=self.min_work,
+                    trunk_flops_per_s=trunk_flops_per_s, shared_trunk=self.shared_trunk)
+            if rate > best[0]:
+                best = (rate, selected, chosen, partial)
+        _, selected, chosen, partial = best
         for i in feasible:
             if i not in selected:
                 excluded[clients[i].client] = f"not selected ({self.selection} selection)"
-        plan = plan_from_choices(clients, chosen, excluded, shared_trunk=self.shared_trunk)
+        plan = (plan_from_choices(clients, chosen, excluded, shared_trunk=self.shared_trunk)
+                if partial is None else
+                plan_with_steps(clients, partial, excluded, shared_trunk=self.shared_trunk))
         self.last_selected.update((a.client, server_round) for a in plan.assignments)
         return plan
 

@@ -127,6 +127,35 @@ def test_the_planner_learns_budgets_from_declines_and_the_trunk_speed_from_its_b
     assert fits <= budget
 
 
+def test_partial_work_reaches_the_straggler_and_the_planner_keeps_its_whole_round():
+    """SmartSplit with min_work: after round 1 measured node 15 ten times slower, its
+    round record caps its batches (the others' do not), and what it then reports (part of
+    its round) does not shrink the workload the planner plans it with."""
+    strategy, model, trunk, planning = make_splitfed(
+        SmartSplitPlanner(select_fraction=1.0, exploration=0.0, straggler_penalty=0.0,
+                          min_work=0.25))
+    asked: dict[int, list[int]] = {}
+
+    def answer(message: Message) -> Message:
+        node, cap = message.metadata.dst_node_id, int(message.content[ROUND_KEY]["max_steps"])
+        if message.metadata.message_type.startswith("train"):
+            asked.setdefault(node, []).append(cap)
+        steps = cap or 8
+        reply = trained_reply(message, samples=4 * steps, compute_s=(10.0 if node == 15 else 1.0)
+                              * steps / 8)
+        metrics = reply.content["metrics"]
+        metrics["steps"], metrics["round-examples"], metrics["round-steps"] = steps, 32, 8
+        return reply
+
+    grid = ScriptedGrid([11, 12, 13, 14, 15], answer)
+    strategy.start(grid=grid, initial_arrays=state_to_record(bottom_state(model, planning.max_cut)),
+                   num_rounds=3)
+    assert all(caps[0] == 0 for caps in asked.values())  # round 1: nothing measured yet
+    assert [caps[1:] for n, caps in sorted(asked.items()) if n != 15] == [[0, 0]] * 4
+    assert all(0 < cap < 8 for cap in asked[15][1:])  # a straggler from round 2 on
+    assert planning.state("15").batches == 8 and planning.state("15").samples == 32
+
+
 def test_traces_change_devices_from_their_round_on():
     phone = DeviceProfile("phone", flops_per_s=1e10, memory_bytes=1 << 30, uplink_mbps=20.0,
                           downlink_mbps=100.0, rtt_s=0.02)
@@ -182,6 +211,9 @@ def test_planner_settings_are_typed_and_checked_at_composition():
         PlannerConfig(name="smartsplit", select_fraction=0.0)
     with pytest.raises(ValueError, match="planner.min_select_fraction"):
         PlannerConfig(name="smartsplit", select_fraction=0.5, min_select_fraction=0.7)
+    for share in (0.0, 1.5):
+        with pytest.raises(ValueError, match="planner.min_work must be in"):
+            PlannerConfig(name="smartsplit", min_work=share)
     for key in ("exploration", "straggler_penalty"):
         with pytest.raises(ValueError, match=f"planner.{key} must be >= 0"):
             PlannerConfig(name="smartsplit", **{key: -0.5})

@@ -128,6 +128,19 @@ def test_compute_excludes_the_time_waiting_for_the_trunk(trunk_server_factory):
     assert report.compute_s <= report.wall_s - sum(blocked)
 
 
+def test_partial_work_stops_after_the_steps_asked_for_across_epochs(trunk_server_factory):
+    options = SplitFedV2Options(lr=0.1)
+    server = trunk_server_factory(digits_like_model(), options=options)
+    channel, _ = recording_channel(server)
+    step = SplitStep(digits_like_model(), RunSpec(strategy=options), cut=1)
+    seen: list[int] = []
+    report = train_round(step, channel, plain(fixed_batches(3)), epochs=2, on_step=seen.append,
+                         max_steps=4)  # the whole first epoch and one batch of the second
+    assert seen == [1, 2, 3, 4] and report.steps == 4
+    assert report.examples == 4 * len(fixed_batches(1)[0][1])
+    assert report.exchanges == 4 and channel.bytes_up > 0
+
+
 def test_on_step_sees_every_step_and_its_exception_aborts_the_round(trunk_server_factory):
     options = SplitFedV2Options(lr=0.1)
     server = trunk_server_factory(digits_like_model(), options=options)
