@@ -75,10 +75,12 @@ ATTACK_DEFAULTS = (
     "strategy.num_rounds=10",
     "strategy.local_epochs=1",
 )
-#: ``--quick``: minutes become seconds (2 rounds; a decoder of 10 epochs). Numbers move,
-#: the ordering of the rows should not; the full setting is what the README reports.
+#: ``--quick``: minutes become seconds (2 rounds; a decoder of 5 epochs, a white-box search
+#: of 100 steps). Numbers move, the ordering of the rows should not; the full setting is
+#: what the README reports.
 QUICK_OVERRIDES = ("strategy.num_rounds=2",)
-QUICK_DECODER_EPOCHS = 10
+QUICK_DECODER_EPOCHS = 5
+QUICK_WHITEBOX_STEPS = 100
 #: Decoder epochs of the inversion attack in the full setting.
 DECODER_EPOCHS = 60
 #: Clip norm for activations at cut 1 of the small CNN: about the median row norm
@@ -194,6 +196,7 @@ def attack(
     which: Sequence[str] = ("inversion", "dcor", "label_leak"),
     data: AttackData | None = None,
     decoder_epochs: int = DECODER_EPOCHS,
+    whitebox_steps: int = WHITEBOX_STEPS,
 ) -> dict[str, float | str]:
     """Train with ``cfg``, run the chosen attacks; return one table row.
 
@@ -235,7 +238,7 @@ def attack(
                                   decoder_epochs=decoder_epochs, generator=generator)
         found = optimise_inversion(noiseless_release(model, cfg.model.cut, settings),
                                    release(data.targets), shape=tuple(data.targets.shape[1:]),
-                                   steps=WHITEBOX_STEPS)
+                                   steps=whitebox_steps)
         row |= {"ssim": result.ssim, "mse": result.mse, "ssim_linked": linked,
                 "ssim_whitebox": float(ssim(found, data.targets).mean())}
     if "dcor" in which:
@@ -365,14 +368,15 @@ def format_table(rows: Sequence[dict[str, float | str]], *, delta: float) -> str
 
 
 def run_table(overrides: Sequence[str], *, out: Path | None = None,
-              decoder_epochs: int = DECODER_EPOCHS) -> str:
+              decoder_epochs: int = DECODER_EPOCHS, whitebox_steps: int = WHITEBOX_STEPS) -> str:
     """Train and attack every table row; print (and write) the markdown table."""
     started = time.perf_counter()
     configs = table_configs(overrides)
     data = load_attack_data(configs[0])
     rows = []
     for cfg in configs:
-        row = attack(cfg, data=data, decoder_epochs=decoder_epochs)
+        row = attack(cfg, data=data, decoder_epochs=decoder_epochs,
+                     whitebox_steps=whitebox_steps)
         rows.append(row)
         print(f"{row['privacy']:>20} sigma={row['sigma']:<5g} eps={float(row['epsilon']):<10.4g} "
               f"acc={float(row['test_accuracy']):.3f} ssim={float(row['ssim']):.3f} "
@@ -398,11 +402,12 @@ def run_table(overrides: Sequence[str], *, out: Path | None = None,
     return table
 
 
-def run_single(name: str, overrides: Sequence[str], *,
-               decoder_epochs: int = DECODER_EPOCHS) -> dict[str, float | str]:
+def run_single(name: str, overrides: Sequence[str], *, decoder_epochs: int = DECODER_EPOCHS,
+               whitebox_steps: int = WHITEBOX_STEPS) -> dict[str, float | str]:
     """Train once with the overrides and run one attack; print its numbers."""
     cfg = compose_config([*ATTACK_DEFAULTS, *overrides])
-    row = attack(cfg, which=(name,), decoder_epochs=decoder_epochs)
+    row = attack(cfg, which=(name,), decoder_epochs=decoder_epochs,
+                 whitebox_steps=whitebox_steps)
     shown = {k: v for k, v in row.items() if k != "train_s"}
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in shown.items()))
@@ -415,8 +420,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("name", choices=["inversion", "dcor", "label_leak", "table"])
     parser.add_argument("--out", type=Path, help="table: also write the markdown here")
     parser.add_argument("--quick", action="store_true",
-                        help=f"{' '.join(QUICK_OVERRIDES)} and a {QUICK_DECODER_EPOCHS}-epoch "
-                             "decoder: seconds, not minutes")
+                        help=f"{' '.join(QUICK_OVERRIDES)}, a {QUICK_DECODER_EPOCHS}-epoch "
+                             f"decoder and {QUICK_WHITEBOX_STEPS} white-box steps: seconds, "
+                             "not minutes")
     parser.add_argument("--decoder-epochs", type=int, help="inversion decoder's epochs")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (after --quick's)")
     args = parser.parse_args(argv)
@@ -424,10 +430,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     epochs = args.decoder_epochs or (QUICK_DECODER_EPOCHS if args.quick else DECODER_EPOCHS)
     if epochs < 1:
         parser.error(f"--decoder-epochs must be >= 1, got {epochs}")
+    steps = QUICK_WHITEBOX_STEPS if args.quick else WHITEBOX_STEPS
     if args.name == "table":
-        run_table(overrides, out=args.out, decoder_epochs=epochs)
+        run_table(overrides, out=args.out, decoder_epochs=epochs, whitebox_steps=steps)
     else:
-        run_single(args.name, overrides, decoder_epochs=epochs)
+        run_single(args.name, overrides, decoder_epochs=epochs, whitebox_steps=steps)
 
 
 if __name__ == "__main__":

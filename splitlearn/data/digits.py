@@ -7,9 +7,12 @@ it needs no download and makes experiments and tests run offline in seconds.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
+
+if TYPE_CHECKING:  # HF datasets takes about a second to import: only where digits load
+    import datasets
 
 DIGITS_IMAGE_SIZE = 8
 DIGITS_NUM_CLASSES = 10
@@ -75,6 +78,8 @@ def _load_scaled_digits() -> tuple[np.ndarray, np.ndarray]:
 
 def _digits_features() -> datasets.Features:
     """Describe the digits columns so arrow stores them typed, not as lists."""
+    import datasets
+
     shape = (DIGITS_IMAGE_SIZE, DIGITS_IMAGE_SIZE)
     return datasets.Features(
         {
@@ -86,6 +91,8 @@ def _digits_features() -> datasets.Features:
 
 def _to_hf_dataset(images: np.ndarray, labels: np.ndarray) -> datasets.Dataset:
     """Wrap image and label arrays in a HuggingFace dataset."""
+    import datasets
+
     return datasets.Dataset.from_dict(
         {"image": images, "label": labels}, features=_digits_features()
     )

@@ -33,14 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
-import pyarrow
-import pyarrow.parquet
 import torch
-from flwr_datasets import FederatedDataset
-from flwr_datasets.partitioner import Partitioner
 from torch.utils.data import TensorDataset
 
 from splitlearn.config import DatasetConfig, PartitionerConfig
@@ -51,6 +47,13 @@ from splitlearn.data.partition import (
     partition_dataset,
 )
 from splitlearn.data.synthetic import synthetic_partition, synthetic_test
+
+if TYPE_CHECKING:
+    # Imported where used: a device's ClientApp process (one per Flower message in the
+    # Deployment Engine) needs neither flwr-datasets' plotting stack nor HF datasets
+    # unless it partitions (seconds of every message's start-up otherwise).
+    import datasets
+    from flwr_datasets.partitioner import Partitioner
 
 
 @dataclass(frozen=True)
@@ -291,6 +294,8 @@ def load_test_data(
     if source.hub_id is None:
         _, test = load_digits_splits(test_fraction=test_fraction, seed=seed)
     else:
+        from flwr_datasets import FederatedDataset
+
         # The order of the test set does not matter, so skip the shuffle.
         fds = FederatedDataset(
             dataset=path or source.hub_id, partitioners={"train": 1}, shuffle=False
@@ -318,6 +323,8 @@ def _load_partition(
         return partition_dataset(train, partitioner, partition_id)
     # Checked up front: a bad id would otherwise only fail after the download.
     check_partition_id(partition_id, num_partitions)
+    from flwr_datasets import FederatedDataset
+
     fds = FederatedDataset(
         dataset=path or source.hub_id,
         partitioners={"train": partitioner},
@@ -428,6 +435,9 @@ def local_dataset(path: str | Path, dataset: DatasetConfig) -> TensorDataset:
     files = sorted(root.glob("*.parquet")) if root.is_dir() else [root]
     if not files or not files[0].is_file():
         raise ValueError(f"no parquet file at {root}")
+    import datasets
+    import pyarrow.parquet
+
     # Read with pyarrow and wrap: nothing is written to a datasets cache on the device.
     table = pyarrow.concat_tables([pyarrow.parquet.read_table(f) for f in files])
     rows = datasets.Dataset(table)

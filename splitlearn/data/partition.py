@@ -9,14 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-import datasets
-from flwr_datasets.partitioner import (
-    DirichletPartitioner,
-    IidPartitioner,
-    Partitioner,
-    ShardPartitioner,
-)
+if TYPE_CHECKING:  # flwr-datasets imports its plotting stack (seconds): only where used
+    import datasets
+    from flwr_datasets.partitioner import Partitioner
 
 # Smallest partition the Dirichlet partitioner accepts before it resamples.
 # With self-balancing, 2 never failed for the digits train split (1437 rows)
@@ -29,6 +26,8 @@ def _build_iid(
     *, num_partitions: int, seed: int, alpha: float, shards: int, partition_by: str
 ) -> Partitioner:
     """IID: contiguous equal slices (the data is shuffled beforehand)."""
+    from flwr_datasets.partitioner import IidPartitioner
+
     return IidPartitioner(num_partitions=num_partitions)
 
 
@@ -36,6 +35,8 @@ def _build_dirichlet(
     *, num_partitions: int, seed: int, alpha: float, shards: int, partition_by: str
 ) -> Partitioner:
     """Label skew: per-class shares drawn from Dirichlet(alpha)."""
+    from flwr_datasets.partitioner import DirichletPartitioner
+
     return DirichletPartitioner(
         num_partitions=num_partitions,
         partition_by=partition_by,
@@ -53,6 +54,8 @@ def _build_shards(
     *, num_partitions: int, seed: int, alpha: float, shards: int, partition_by: str
 ) -> Partitioner:
     """Pathological non-IID: label-sorted shards, a few per partition."""
+    from flwr_datasets.partitioner import ShardPartitioner
+
     return ShardPartitioner(
         num_partitions=num_partitions,
         partition_by=partition_by,

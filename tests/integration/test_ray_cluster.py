@@ -27,7 +27,7 @@ from tests.integration.test_simulation import read_clients, run_experiment
 RAY = Path(sys.executable).with_name("ray")
 
 
-def stop_pids(pids: list[int], *, grace_s: float = 10.0) -> None:
+def stop_pids(pids: list[int], *, grace_s: float = 3.0) -> None:
     """SIGTERM, then SIGKILL what is left: only the PIDs given."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
