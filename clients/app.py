@@ -17,6 +17,7 @@ fail.
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from clients.device import (
     PROFILE_KEY,
     ClientUnavailable,
+    DeviceDeadline,
     DeviceFailure,
     DevicePlan,
     InjectedDropout,
@@ -137,6 +139,8 @@ class ClientRound:
     label_secret: int | None = None  # privacy.label_epsilon: seeds the node's label draw
     node_key: bytes | None = None  # this node's data-plane private key, once it has one
     max_steps: int | None = None  # partial work: the planner's cap on this round's batches
+    deadline_s: float | None = None  # partial work: the round's deadline on the device's clock
+    min_work: float = 1.0  # ... and the least share of its round it trains
 
     @classmethod
     def read(cls, msg: Message, context: Context) -> ClientRound:
@@ -163,6 +167,8 @@ class ClientRound:
             label_secret=_label_secret(context) if spec.privacy.label_epsilon else None,
             node_key=_held_node_key(context),
             max_steps=int(data.get("max_steps", 0)) or None,
+            deadline_s=_positive_or_none(data.get("deadline_s", 0.0)),
+            min_work=float(data.get("min_work", 1.0)),
         )
 
     def proof(self) -> bytes | None:
@@ -396,10 +402,12 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
             pacer.transfer(bytes_down=record_bytes(msg.content["arrays"]))
         channel = (open_channel(rnd.trunk_address, rnd.token, spec, proof=rnd.proof())
                    if step.needs_channel else None)
+        deadline = _deadline(rnd, plan, weights_bytes=record_bytes(msg.content["arrays"]),
+                             batches=len(loader) * spec.strategy.local_epochs)
         try:
             report = train_round(step, channel, privacy, epochs=spec.strategy.local_epochs,
                                  on_step=_dropout_hook(plan, channel), pacer=pacer,
-                                 max_steps=rnd.max_steps)
+                                 max_steps=rnd.max_steps, deadline=deadline)
         finally:
             if channel is not None:
                 channel.close()
@@ -453,6 +461,32 @@ def _pacer(rnd: ClientRound, plan: DevicePlan) -> Pacer | None:
     if not rnd.spec.devices.emulate or plan.profile is None or not plan.emulated:
         return None
     return Pacer(plan.profile, host_flops_per_s=rnd.spec.devices.host_flops_at(rnd.cut))
+
+
+def _deadline(rnd: ClientRound, plan: DevicePlan, *, weights_bytes: int, batches: int
+              ) -> DeviceDeadline | None:
+    """Return the round's deadline on this device's clock (partial work), if it has one.
+
+    An emulated device counts on the virtual clock (its weights' transfers included), a
+    real one its own wall time; either trains at least ``min_work`` of its ``batches``.
+    """
+    if rnd.deadline_s is None:
+        return None
+    least = max(1, math.ceil(rnd.min_work * batches - 1e-9))
+    if plan.emulated and plan.profile is not None:
+        return DeviceDeadline.emulated(
+            plan.profile, host_flops_per_s=rnd.spec.devices.host_flops_at(rnd.cut),
+            deadline_s=rnd.deadline_s, least_steps=least, weights_bytes=weights_bytes)
+    return DeviceDeadline.measured(deadline_s=rnd.deadline_s, least_steps=least)
+
+
+def _positive_or_none(value: object) -> float | None:
+    """Return a positive float from a record, or None (0, missing or not a number: none)."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) and number > 0 else None
 
 
 def _train_metrics(rnd: ClientRound, plan: DevicePlan, report: TrainReport, memory: int,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from omegaconf import OmegaConf
@@ -184,3 +185,74 @@ class Pacer:
         """Sleep off the difference between the device's time and ``wall_s``."""
         device = virtual_time(work, profile=self.profile, host_flops_per_s=self.host_flops_per_s)
         time.sleep(max(device.total_s - wall_s, 0.0))
+
+
+class DeviceDeadline:
+    """Partial work by the device's own clock: no batch starts that would end past the deadline.
+
+    The planner gives a partial-work round a deadline on the devices' time
+    (:mod:`splitlearn.planning.deadline`); the batches it predicts each device trains
+    by then come from smoothed estimates, which lag a device that has just slowed down
+    (throttled, on a worse link) and are a prior for one never measured. So the device
+    keeps the deadline itself: it counts what its round has cost so far on the same
+    clock the server charges (the weights' download, then each batch; the upload of its
+    weights is reserved), and stops before a batch that, at its batches' mean so far,
+    would end after the deadline. It trains at least ``least_steps`` batches (a round
+    below that is not worth its weights' transfer) and at most its whole round.
+
+    Parameters
+    ----------
+    deadline_s : float
+        The round's deadline in device seconds, from the weights' arrival.
+    least_steps : int
+        Batches it trains whatever the deadline says (>= 1).
+    batch_s : Callable[[ClientMeasurement, float], float]
+        Device seconds of one batch from what was measured and its wall seconds.
+    spent_s : float
+        Device seconds already spent before the first batch (the weights' download).
+    reserve_s : float
+        Device seconds still owed after the last batch (the weights' upload).
+    """
+
+    def __init__(self, *, deadline_s: float, least_steps: int,
+                 batch_s: Callable[[ClientMeasurement, float], float],
+                 spent_s: float = 0.0, reserve_s: float = 0.0) -> None:
+        self.deadline_s = deadline_s
+        self.least_steps = max(1, least_steps)
+        self.batch_s = batch_s
+        self.spent_s = spent_s
+        self.reserve_s = reserve_s
+        self._batches_s = 0.0
+        self._batches = 0
+
+    def after_batch(self, work: ClientMeasurement, *, wall_s: float) -> None:
+        """Charge one trained batch (an empty DP-SGD step costs nothing here)."""
+        seconds = self.batch_s(work, wall_s)
+        self.spent_s += seconds
+        self._batches_s += seconds
+        self._batches += 1
+
+    def reached(self, steps: int) -> bool:
+        """Whether the batch after ``steps`` would end after the deadline (and may be skipped)."""
+        if steps < self.least_steps or self._batches == 0:
+            return False
+        next_batch_s = self._batches_s / self._batches
+        return self.spent_s + next_batch_s + self.reserve_s > self.deadline_s
+
+    @classmethod
+    def emulated(cls, profile: DeviceProfile, *, host_flops_per_s: float, deadline_s: float,
+                 least_steps: int, weights_bytes: int) -> DeviceDeadline:
+        """Return an emulated device's deadline: its batches on the virtual clock."""
+
+        def batch_s(work: ClientMeasurement, wall_s: float) -> float:
+            return virtual_time(work, profile=profile, host_flops_per_s=host_flops_per_s).total_s
+
+        return cls(deadline_s=deadline_s, least_steps=least_steps, batch_s=batch_s,
+                   spent_s=weights_bytes / profile.downlink_bytes_per_s,
+                   reserve_s=weights_bytes / profile.uplink_bytes_per_s)
+
+    @classmethod
+    def measured(cls, *, deadline_s: float, least_steps: int) -> DeviceDeadline:
+        """Return a real device's deadline: its batches' own wall time (links included)."""
+        return cls(deadline_s=deadline_s, least_steps=least_steps,
+                   batch_s=lambda work, wall_s: wall_s)

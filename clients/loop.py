@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from clients.device import Pacer
+from clients.device import DeviceDeadline, Pacer
 from clients.steps.base import ClientStep
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import TrunkChannel
@@ -140,6 +140,7 @@ def train_round(
     on_step: Callable[[int], None] | None = None,
     pacer: Pacer | None = None,
     max_steps: int | None = None,
+    deadline: DeviceDeadline | None = None,
 ) -> TrainReport:
     """Train the step's modules for ``epochs`` passes; return the round's report.
 
@@ -158,7 +159,10 @@ def train_round(
     pacer : Pacer, optional
         Makes each batch take as long as the emulated device would.
     max_steps : int, optional
-        Stop after this many steps (partial work: what fits the round's deadline).
+        Stop after this many steps (partial work: what the planner predicts fits).
+    deadline : DeviceDeadline, optional
+        Stop before a batch that would end after the round's deadline on the device's
+        own clock (partial work, kept by the device).
     """
     train = step.spec.strategy
     optimizer = privacy.make_optimizer(
@@ -168,6 +172,8 @@ def train_round(
     step.trained().train()
     traffic, tally = _Traffic(step, channel), RoundTally()
     for inputs, labels in _capped(privacy, epochs=epochs, max_steps=max_steps):
+        if deadline is not None and deadline.reached(tally.steps):
+            break
         if len(labels) == 0:  # DP-SGD: a noise-only step hides that the batch was empty
             optimizer.zero_grad(set_to_none=True)
             optimizer.step()
@@ -182,10 +188,12 @@ def train_round(
         wall = time.perf_counter() - started
         compute = wall - (traffic.wait_s - waited)
         steps = tally.add_batch(size=len(labels), correct=correct, loss=loss, compute_s=compute)
+        work = ClientMeasurement(compute, traffic.up - up, traffic.down - down,
+                                 step.exchanges_per_batch)
         if pacer is not None:  # the trunk's time is the trunk's: pace the device's own part
-            pacer.after_batch(ClientMeasurement(
-                compute, traffic.up - up, traffic.down - down, step.exchanges_per_batch,
-            ), wall_s=compute)
+            pacer.after_batch(work, wall_s=compute)
+        if deadline is not None:
+            deadline.after_batch(work, wall_s=wall)
         if on_step is not None:
             on_step(steps)
     step.finish(channel)

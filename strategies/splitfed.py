@@ -187,6 +187,9 @@ class SplitFed(ReportingFedAvg):
             "cut": assigned.cut, "checkpoint": assigned.checkpoint,
             "max_steps": assigned.steps or 0,  # partial work: the batches it trains (0: all)
         }
+        if assigned.deadline_s is not None:  # partial work kept by the device's own clock
+            record |= {"max_steps": 0, "deadline_s": assigned.deadline_s,
+                       "min_work": assigned.least_work}
         keys = self.dataplane.node_keys
         token = self.dataplane.tokens.issue(
             client=str(node), protocol=self.protocol, cut=record["cut"],

@@ -143,13 +143,19 @@ class Assignment:
     """One client's part in a round: its cut, whether it checkpoints, how much it trains.
 
     ``steps`` caps the batches it trains this round (partial work: a slow device
-    trains what fits the round's deadline); None is its whole round.
+    trains what fits the round's deadline); None is its whole round. With
+    ``deadline_s`` (partial work kept by the device) the device instead trains until
+    its next batch would end after that many seconds of its round, at least
+    ``least_work`` of its round and at most all of it; ``steps`` is then what the
+    plan predicts it trains.
     """
 
     client: str
     cut: int
     checkpoint: bool = False
     steps: int | None = None
+    deadline_s: float | None = None
+    least_work: float = 1.0
 
 
 @dataclass(frozen=True)

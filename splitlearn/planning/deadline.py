@@ -139,12 +139,22 @@ def _rate(clients: Sequence[ClientState], chosen: Sequence[PartialChoice | None]
 
 
 def plan_with_steps(clients: Sequence[ClientState], chosen: Sequence[PartialChoice | None],
-                    excluded: dict[str, str], *, shared_trunk: bool) -> Plan:
-    """Assemble the round's :class:`Plan`; a device short of its whole round gets ``steps``."""
+                    excluded: dict[str, str], *, shared_trunk: bool, min_work: float) -> Plan:
+    """Assemble the round's :class:`Plan`; a device short of its whole round gets ``steps``.
+
+    Every taking-part device gets the round's deadline (``deadline_s``): the plan's
+    steps come from estimates, and the device keeps the deadline by its own clock
+    (:class:`clients.device.DeviceDeadline`), so one slower than estimated does not
+    stretch the round, and one faster trains more of its round by the same time.
+    """
     as_options = [None if c is None else replace(c.option, client_s=c.client_s, trunk_s=c.trunk_s)
                   for c in chosen]
     plan = plan_from_choices(clients, as_options, excluded, shared_trunk=shared_trunk)
     short = {client.client: c.steps for client, c in zip(clients, chosen, strict=True)
              if c is not None and c.steps < client.batches}
-    return replace(plan, assignments=tuple(replace(a, steps=short.get(a.client))
-                                           for a in plan.assignments))
+    # Every device keeps the round's deadline on its own clock: the latest predicted end
+    # (the deadline, or a device's least work past it, which the round waits for anyway).
+    deadline = max((c.client_s for c in chosen if c is not None), default=0.0)
+    return replace(plan, assignments=tuple(
+        replace(a, steps=short.get(a.client), deadline_s=deadline, least_work=min_work)
+        for a in plan.assignments))

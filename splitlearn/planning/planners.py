@@ -478,7 +478,8 @@ class SmartSplitPlanner(FlooredPlanner):
                 excluded[clients[i].client] = f"not selected ({self.selection} selection)"
         plan = (plan_from_choices(clients, chosen, excluded, shared_trunk=self.shared_trunk)
                 if partial is None else
-                plan_with_steps(clients, partial, excluded, shared_trunk=self.shared_trunk))
+                plan_with_steps(clients, partial, excluded, shared_trunk=self.shared_trunk,
+                                min_work=self.min_work or 1.0))
         self.last_selected.update((a.client, server_round) for a in plan.assignments)
         return plan
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -128,31 +129,43 @@ def test_the_planner_learns_budgets_from_declines_and_the_trunk_speed_from_its_b
 
 
 def test_partial_work_reaches_the_straggler_and_the_planner_keeps_its_whole_round():
-    """SmartSplit with min_work: after round 1 measured node 15 ten times slower, its
-    round record caps its batches (the others' do not), and what it then reports (part of
-    its round) does not shrink the workload the planner plans it with."""
+    """SmartSplit with min_work: every device gets the round's deadline and the least
+    share of its round; after round 1 measured node 15 ten times slower, the deadline is
+    shorter than its whole round, it trains what ends by it (as a device keeping the
+    deadline would), and what it then reports (part of its round) does not shrink the
+    workload the planner plans it with."""
     strategy, model, trunk, planning = make_splitfed(
         SmartSplitPlanner(select_fraction=1.0, exploration=0.0, straggler_penalty=0.0,
                           min_work=0.25))
-    asked: dict[int, list[int]] = {}
+    asked: dict[int, list[tuple[float, float, int]]] = {}
+    trained: dict[int, list[int]] = {}
 
     def answer(message: Message) -> Message:
-        node, cap = message.metadata.dst_node_id, int(message.content[ROUND_KEY]["max_steps"])
+        node, data = message.metadata.dst_node_id, message.content[ROUND_KEY]
+        deadline, least = float(data["deadline_s"]), float(data["min_work"])
+        per_batch = (10.0 if node == 15 else 1.0) / 8
+        steps = max(math.ceil(least * 8), min(8, math.floor(deadline / per_batch)))
         if message.metadata.message_type.startswith("train"):
-            asked.setdefault(node, []).append(cap)
-        steps = cap or 8
-        reply = trained_reply(message, samples=4 * steps, compute_s=(10.0 if node == 15 else 1.0)
-                              * steps / 8)
+            asked.setdefault(node, []).append((deadline, least, int(data["max_steps"])))
+            trained.setdefault(node, []).append(steps)
+        reply = trained_reply(message, samples=4 * steps, compute_s=per_batch * steps)
         metrics = reply.content["metrics"]
         metrics["steps"], metrics["round-examples"], metrics["round-steps"] = steps, 32, 8
+        metrics["virtual-upload-s"] = metrics["virtual-download-s"] = 1e-4  # fast links
         return reply
 
     grid = ScriptedGrid([11, 12, 13, 14, 15], answer)
     strategy.start(grid=grid, initial_arrays=state_to_record(bottom_state(model, planning.max_cut)),
                    num_rounds=3)
-    assert all(caps[0] == 0 for caps in asked.values())  # round 1: nothing measured yet
-    assert [caps[1:] for n, caps in sorted(asked.items()) if n != 15] == [[0, 0]] * 4
-    assert all(0 < cap < 8 for cap in asked[15][1:])  # a straggler from round 2 on
+    for node, records in asked.items():
+        assert all(d > 0 and least == 0.25 and cap == 0 for d, least, cap in records), node
+        rounds = [records[i][0] for i in range(3)]
+        assert rounds == [asked[11][i][0] for i in range(3)]  # one deadline per round
+    # From round 2 the deadline is shorter than the straggler's whole round (10 s), so it
+    # trains its least share (2 of 8) while the others train theirs whole ...
+    assert all(d < 10.0 for d, _, _ in asked[15][1:])
+    assert trained[15][1:] == [2, 2] and all(trained[n][1:] == [8, 8] for n in (11, 12, 13, 14))
+    # ... and what it trained by it leaves the planner's view of its round whole.
     assert planning.state("15").batches == 8 and planning.state("15").samples == 32
 
 

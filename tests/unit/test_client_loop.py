@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from clients.app import ClientRound
+from clients.device import DeviceDeadline
 from clients.loop import evaluate_round, train_round
 from clients.steps.base import ClientStep
 from clients.steps.local_loss import SMASHED_RECORD_KEY, LocalLossStep
@@ -24,6 +25,7 @@ from splitlearn.config import PrivacyConfig, RunSpec
 from splitlearn.dataplane import InProcessTransport, TrunkChannel, TrunkEndpoint
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.planning.clock import ClientMeasurement
+from splitlearn.planning.devices import DeviceProfile
 from splitlearn.privacy import ClientPrivacy, make_client_privacy
 from splitlearn.split import split
 from strategies.local_loss import LocalLossOptions
@@ -139,6 +141,52 @@ def test_partial_work_stops_after_the_steps_asked_for_across_epochs(trunk_server
     assert seen == [1, 2, 3, 4] and report.steps == 4
     assert report.examples == 4 * len(fixed_batches(1)[0][1])
     assert report.exchanges == 4 and channel.bytes_up > 0
+
+
+def test_a_device_keeps_the_rounds_deadline_by_its_own_clock(trunk_server_factory):
+    """One device second per batch, one for the weights down and a half to send them back:
+    by a deadline of 5 s it trains 3 of its 6 batches (a fourth, uploaded, would end at
+    5.5 s), by 5.5 s 4; at least 4 it trains 4; a deadline past its round leaves it whole."""
+    options = SplitFedV2Options(lr=0.1)
+    server = trunk_server_factory(digits_like_model(), options=options)
+
+    def trained(deadline_s: float, least: int) -> tuple[int, DeviceDeadline]:
+        channel, _ = recording_channel(server)
+        step = SplitStep(digits_like_model(), RunSpec(strategy=options), cut=1)
+        deadline = DeviceDeadline(deadline_s=deadline_s, least_steps=least,
+                                  batch_s=lambda work, wall_s: 1.0, spent_s=1.0, reserve_s=0.5)
+        report = train_round(step, channel, plain(fixed_batches(3)), epochs=2, deadline=deadline)
+        assert report.steps == report.exchanges
+        return report.steps, deadline
+
+    steps, deadline = trained(5.0, 1)
+    assert steps == 3 and deadline.spent_s == 4.0
+    assert trained(5.5, 1)[0] == 4 and trained(5.0, 4)[0] == 4
+    assert trained(100.0, 1)[0] == 6
+
+
+def test_a_deadline_counts_batches_on_the_devices_clock():
+    """The emulated device's batch is its virtual time (compute rescaled, links, RTT); its
+    weights cross its links before and after; a real device counts wall seconds."""
+    phone = DeviceProfile("phone", flops_per_s=1e9, memory_bytes=1 << 30, uplink_mbps=8.0,
+                          downlink_mbps=16.0, rtt_s=0.05)
+    deadline = DeviceDeadline.emulated(phone, host_flops_per_s=1e10, deadline_s=10.0,
+                                       least_steps=1, weights_bytes=1_000_000)
+    assert deadline.spent_s == pytest.approx(1_000_000 / phone.downlink_bytes_per_s)
+    assert deadline.reserve_s == pytest.approx(1_000_000 / phone.uplink_bytes_per_s)
+    work = ClientMeasurement(0.1, 100_000, 100_000, 1)
+    before = deadline.spent_s
+    deadline.after_batch(work, wall_s=99.0)  # the host's wall time is not the device's
+    expected = (0.1 * 10 + 100_000 / phone.uplink_bytes_per_s
+                + 100_000 / phone.downlink_bytes_per_s + 0.05)
+    assert deadline.spent_s - before == pytest.approx(expected)
+    real = DeviceDeadline.measured(deadline_s=10.0, least_steps=1)
+    real.after_batch(work, wall_s=2.5)
+    assert real.spent_s == 2.5
+    assert not real.reached(0)  # nothing before its least work
+    assert not real.reached(1)  # 2.5 s, and one more at that pace ends at 5 s
+    real.after_batch(work, wall_s=5.0)
+    assert real.reached(2)  # 7.5 s, and one more at the mean 3.75 s ends past 10 s
 
 
 def test_on_step_sees_every_step_and_its_exception_aborts_the_round(trunk_server_factory):

@@ -133,6 +133,10 @@ def test_a_straggler_trains_part_of_its_round_instead_of_setting_its_length() ->
     steps = {a.client: a.steps for a in partial.assignments}
     assert steps == {"fast0": None, "fast1": None, "fast2": None, "fast3": None, "slow": 1}
     assert partial.makespan_s == pytest.approx(1.0)
+    # Every device keeps the round's deadline itself (the latest predicted end, 1 s here).
+    assert [a.deadline_s for a in partial.assignments] == [pytest.approx(1.0)] * 5
+    assert [a.least_work for a in partial.assignments] == [0.1] * 5
+    assert all(a.deadline_s is None for a in whole.assignments)
     # 4 + 0.1 units of utility in 1 s against 5 in 10 s.
     assert all(a.steps is None for a in plan(min_work=1.0).assignments)
     with pytest.raises(ValueError, match="min_work"):
