@@ -252,8 +252,10 @@ def bench_planner(overrides: Sequence[str], *, seeds: int = 3, target: float = 0
 
     base = compose_config([f"+scenario={SCENARIOS[0]}", *PLANNER_DEFAULTS, *overrides])
     model = build_model_from_config(to_object(base.model), to_object(base.dataset))
-    # Measured once, so that every run's clock converts compute with the same figures.
-    host_flops = host_flops_by_cut(base, model)
+    # Measured once, so that every run's clock converts compute with the same figures; the
+    # median of three sweeps, since one sweep of this VM was seen 1.8x off at some cuts.
+    sweeps = [host_flops_by_cut(base, model) for _ in range(3)]
+    host_flops = {cut: statistics.median(s[cut] for s in sweeps) for cut in sweeps[0]}
     cuts = model.valid_cuts
     out_dir = out_dir or Path("outputs/bench") / time.strftime("planner-%Y-%m-%d-%H-%M-%S")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ without activation checkpointing, from the stages' reported costs;
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -367,13 +368,16 @@ def measure_host_flops_per_s(
     torch.set_num_threads(threads)
     try:
         _train_step(bottom, inputs)  # warm-up: allocator, kernels
-        steps, started = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - started) < min_seconds:
+        step_s: list[float] = []
+        started = time.perf_counter()
+        while time.perf_counter() - started < min_seconds or len(step_s) < 3:
+            begun = time.perf_counter()
             _train_step(bottom, inputs)
-            steps += 1
+            step_s.append(time.perf_counter() - begun)
     finally:
         torch.set_num_threads(previous)
-    return flops_per_step * steps / elapsed
+    # The median step: a step that another process interrupted does not set the figure.
+    return flops_per_step / statistics.median(step_s)
 
 
 def _train_step(bottom: nn.Module, inputs: torch.Tensor) -> None:

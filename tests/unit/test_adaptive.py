@@ -286,3 +286,24 @@ def test_clients_returning_other_stages_shapes_or_non_finite_weights_are_refused
     # Only node 11 trained (and sent back what it got): nothing changed anywhere.
     for key, value in before.items():
         np.testing.assert_array_equal(after[key].numpy(), value.numpy())
+
+
+def test_the_hosts_speed_is_its_median_step_not_one_another_process_interrupted(monkeypatch):
+    import time
+
+    from splitlearn import calibration
+    from splitlearn.calibration import client_train_flops_per_sample, measure_host_flops_per_s
+    from splitlearn.models import build_model
+
+    calls = []
+
+    def step(bottom, inputs):  # noqa: ANN001, ANN202
+        calls.append(1)
+        time.sleep(0.3 if len(calls) == 3 else 0.002)  # the second timed step is interrupted
+
+    monkeypatch.setattr(calibration, "_train_step", step)
+    model = build_model("cnn", in_channels=1, num_classes=10, image_size=8)
+    flops = measure_host_flops_per_s(model, 1, batch_size=4, min_seconds=0.35)
+    step_s = client_train_flops_per_sample(model, 1) * 4 / flops
+    # The mean step would be about 0.35 s over the steps that fit (over 12 ms).
+    assert len(calls) > 10 and 0.002 <= step_s < 0.008
