@@ -168,7 +168,7 @@ class ClientRound:
             node_key=_held_node_key(context),
             max_steps=int(data.get("max_steps", 0)) or None,
             deadline_s=_positive_or_none(data.get("deadline_s", 0.0)),
-            min_work=float(data.get("min_work", 1.0)),
+            min_work=share_of_round(data.get("min_work", 1.0)),
         )
 
     def proof(self) -> bytes | None:
@@ -478,6 +478,15 @@ def _deadline(rnd: ClientRound, plan: DevicePlan, *, weights_bytes: int, batches
             plan.profile, host_flops_per_s=rnd.spec.devices.host_flops_at(rnd.cut),
             deadline_s=rnd.deadline_s, least_steps=least, weights_bytes=weights_bytes)
     return DeviceDeadline.measured(deadline_s=rnd.deadline_s, least_steps=least)
+
+
+def share_of_round(value: object) -> float:
+    """Return a share in [0, 1] from a record; anything else (NaN, not a number) is 1: whole."""
+    try:
+        share = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 1.0
+    return min(max(share, 0.0), 1.0) if math.isfinite(share) else 1.0
 
 
 def _positive_or_none(value: object) -> float | None:

@@ -414,3 +414,12 @@ def test_the_batch_order_is_the_nodes_secret_under_activation_noise(privacy, sec
     first, second = order(), order()
     assert sorted(first) == sorted(second)  # the same examples ...
     assert (first != second) == secret  # ... in a repeatable order unless it is secret
+
+
+@pytest.mark.parametrize("sent,share", [(0.1, 0.1), ("0.25", 0.25), (float("nan"), 1.0),
+                                        (float("inf"), 1.0), (-3.0, 0.0), (7.0, 1.0),
+                                        ("lots", 1.0), (None, 1.0)])
+def test_a_rounds_least_share_is_read_as_a_share_or_the_whole_round(sent, share):
+    from clients.app import share_of_round
+
+    assert share_of_round(sent) == share  # a NaN used to fail the round in math.ceil
