@@ -303,7 +303,8 @@ def test_the_hosts_speed_is_its_median_step_not_one_another_process_interrupted(
 
     monkeypatch.setattr(calibration, "_train_step", step)
     model = build_model("cnn", in_channels=1, num_classes=10, image_size=8)
-    flops = measure_host_flops_per_s(model, 1, batch_size=4, min_seconds=0.35)
+    flops = measure_host_flops_per_s(model, 1, batch_size=4, min_seconds=0.31)
     step_s = client_train_flops_per_sample(model, 1) * 4 / flops
-    # The mean step would be about 0.35 s over the steps that fit (over 12 ms).
-    assert len(calls) > 10 and 0.002 <= step_s < 0.008
+    # About 6 steps fit in 0.31 s, so their mean is over 40 ms; the median is a 2 ms step
+    # (20 ms leaves room for a loaded host's late wake-ups).
+    assert 0.002 <= step_s < 0.02
