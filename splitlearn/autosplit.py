@@ -38,12 +38,18 @@ Limits (those of ``torch.fx``)
   ``F.dropout(x, training=self.training)``; use ``nn.Dropout`` modules.
 * The cost profile counts modules (convolutions, linear layers, norms...);
   functional calls such as ``F.relu`` or ``F.conv2d`` count 0 FLOPs.
+* Tracing patches ``nn.Module.__call__`` for the whole process while it runs:
+  traces here take turns (two at once left the patch in place for good), and a
+  module another thread calls during a trace fails. Trace before starting
+  threads that run modules (:func:`~splitlearn.models.factory.build_model_from_config`
+  traces a configured module once per process).
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -58,6 +64,9 @@ from splitlearn.models.base import FLOAT32_BYTES, CountsOwnFlops, SplittableMode
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _THIS_FILE = str(Path(__file__))
+#: One trace (and probe) at a time per process: a trace saves and restores torch's
+#: process-wide patches, and a probe running modules must not meet another's patch.
+_TRACING = threading.Lock()
 
 _INPLACE_OPERATORS = frozenset(
     {
@@ -395,15 +404,16 @@ def _analyse(
     """Trace ``module``, probe its shapes and find its cut points."""
     if not isinstance(example_input, Tensor) or example_input.dim() < 1:
         raise AutoSplitError("example_input must be a tensor with a batch dimension")
-    gm = _trace(module, leaf_modules)
+    with _TRACING:  # the probe runs the graph's modules: no trace may patch them meanwhile
+        gm = _trace(module, leaf_modules)
+        inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(inputs) != 1:
+            raise AutoSplitError(
+                f"auto_split needs a forward with exactly one input; {type(module).__name__} "
+                f"takes {[n.target for n in inputs]}"
+            )
+        values, out = _probe(gm, module, example_input)
     nodes = list(gm.graph.nodes)
-    inputs = [n for n in nodes if n.op == "placeholder"]
-    if len(inputs) != 1:
-        raise AutoSplitError(
-            f"auto_split needs a forward with exactly one input; {type(module).__name__} "
-            f"takes {[n.target for n in inputs]}"
-        )
-    values, out = _probe(gm, module, example_input)
     if not isinstance(out, Tensor) or out.dim() < 1:
         raise AutoSplitError(
             f"auto_split needs a forward returning one tensor; {type(module).__name__} "

@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 import copy
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -108,6 +109,15 @@ def task_identity() -> Iterator[None]:
     yield
     for name, value in saved.items():
         setattr(TaskIdentity, name, value)
+
+
+@pytest.fixture
+def tiny_switch_interval() -> Iterator[None]:
+    """Threads switch every microsecond (5 ms by default): races show in a few steps."""
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(saved)
 
 
 @pytest.fixture

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import json
+import threading
 from typing import Any
 
 import torch
@@ -64,10 +67,35 @@ def _user_model(target: str, options: dict[str, Any], input_shape: tuple[int, ..
         return module
     if not isinstance(module, nn.Module):
         raise ValueError(f"model._target_={target} built a {type(module).__name__}, not a module")
-    split = auto_split(module, torch.zeros(2, *input_shape))
-    # Kept outside the module tree (no duplicate state-dict entries): the original
-    # module whose state dict a run hands back at the end.
-    split.__dict__["source"] = module
+    key = (target, json.dumps(options, sort_keys=True, default=repr), input_shape)
+    return _split_once_per_process(module, key, input_shape)
+
+
+#: A split of each configured module, traced once per process (see _split_once_per_process).
+_SPLITS: dict[tuple[str, str, tuple[int, ...]], AutoSplitModel] = {}
+_SPLITS_LOCK = threading.Lock()
+
+
+def _split_once_per_process(module: nn.Module, key: tuple[str, str, tuple[int, ...]],
+                            input_shape: tuple[int, ...]) -> AutoSplitModel:
+    """Split ``module``, tracing only the first module of its kind in this process.
+
+    Later modules get a copy of the first split holding their own weights. Tracing
+    patches torch for the whole process, so a trace while other threads train
+    (clients run as threads in one process) breaks their forward passes: the
+    process's first build, before its threads start, is its only trace.
+    """
+    with _SPLITS_LOCK:
+        template = _SPLITS.get(key)
+        if template is None:
+            split = auto_split(module, torch.zeros(2, *input_shape))
+            # Kept outside the module tree (no duplicate state-dict entries): the
+            # original module whose state dict a run hands back at the end.
+            split.__dict__["source"] = module
+            _SPLITS[key] = copy.deepcopy(split)
+            return split
+        split = copy.deepcopy(template)  # the split's stages and its source, still shared
+    source_module(split).load_state_dict(module.state_dict())
     return split
 
 

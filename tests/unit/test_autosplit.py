@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -248,3 +249,26 @@ def test_auto_split_zoo_models_equal_their_output(name: str, size: int) -> None:
     # Costs agree: auto stages regroup the same leaf modules (attention included).
     flops = sum(c.flops_per_sample for c in auto.stage_costs())
     assert flops == sum(c.flops_per_sample for c in model.stage_costs())
+
+
+def test_traces_in_threads_take_turns_and_leave_torch_unpatched(tiny_switch_interval) -> None:
+    """fx patches ``nn.Module.__call__`` process-wide while it traces; two traces at once
+    failed each other and could leave the patch in place for good."""
+    original = nn.Module.__call__
+    errors: list[BaseException] = []
+
+    def split_some() -> None:
+        for _ in range(5):
+            try:
+                model = auto_split(UserNet(), torch.zeros(2, 3, 8, 8))
+                assert model.num_stages > 1
+            except BaseException as err:  # noqa: BLE001 - collected for the assert below
+                errors.append(err)
+
+    threads = [threading.Thread(target=split_some) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert nn.Module.__call__ is original

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -33,3 +35,53 @@ def test_a_bad_target_or_cut_fails_before_anything_starts():
         check_config(small_config(f"model._target_={TARGET}", "model.cut=99"))
     with pytest.raises(Exception, match="nope"):
         check_config(small_config("model._target_=tests.user_nets.nope"))
+
+
+def test_every_build_holds_its_own_seeded_weights():
+    """A process traces a configured module once; later builds are copies of that split
+    holding their own module's weights, not the first one's."""
+    config = ModelConfig(_target_=TARGET, cut=2, options={"hidden": 24})
+    first, second = (build_model_from_config(config, DatasetConfig(), seed=s) for s in (0, 1))
+    x = torch.rand(5, 1, 8, 8)
+    for seed, model in ((0, first), (1, second)):
+        torch.manual_seed(seed)
+        expected = TinyNet(hidden=24)
+        source = source_module(model)
+        assert isinstance(source, TinyNet) and source is not expected
+        assert all(torch.equal(a, b) for a, b in zip(
+            source.state_dict().values(), expected.state_dict().values(), strict=True))
+        assert {p.data_ptr() for p in model.parameters()} == {
+            p.data_ptr() for p in source.parameters()}
+        assert torch.equal(model.eval()(x), expected.eval()(x))
+    assert not {p.data_ptr() for p in first.parameters()} & {
+        p.data_ptr() for p in second.parameters()}
+
+
+def test_building_a_model_does_not_break_other_threads_training(tiny_switch_interval):
+    """Clients run as threads in one process (experiments.local): one client building its
+    model while another trains must not reach into the other's forward pass (a trace
+    patches every module's call in the process)."""
+    config = ModelConfig(_target_=TARGET, cut=2, options={"hidden": 20})
+    build_model_from_config(config, DatasetConfig(), seed=0)  # the process's first build
+    training = build_model_from_config(config, DatasetConfig(), seed=1)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def train() -> None:
+        x = torch.rand(4, 1, 8, 8)
+        while not done.is_set():
+            try:
+                training(x).sum().backward()
+            except BaseException as err:  # noqa: BLE001 - collected for the assert below
+                errors.append(err)
+                return
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    try:
+        for seed in range(5):
+            build_model_from_config(config, DatasetConfig(), seed=seed)
+    finally:
+        done.set()
+        worker.join()
+    assert errors == []
