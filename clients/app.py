@@ -21,7 +21,7 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol as TypingProtocol
 
@@ -55,6 +55,7 @@ from clients.steps.executorch import client_step_type
 from protocols import PROTOCOLS, Protocol
 from splitlearn.config import RunSpec, decode_spec
 from splitlearn.data import client_dataset, describe_dataset, local_dataset
+from splitlearn.data.cache import cached_dataset
 from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
 from splitlearn.dataplane.node_keys import (
     NODE_KEY_QUERY,
@@ -102,6 +103,8 @@ class ChannelFactory(TypingProtocol):
 
 #: Node-config key of a device's own training data (parquet; see splitlearn.data.local_dataset).
 DATA_KEY = "data-path"
+#: Node-config key of the folder where a device keeps its training data between rounds.
+CACHE_KEY = "cache-dir"
 #: Node-config key of the PEM file this node verifies the trunk by (it then requires TLS).
 TRUNK_ROOTS_KEY = "trunk-root-certificates"
 
@@ -136,6 +139,7 @@ class ClientRound:
     num_partitions: int
     declared: DeviceProfile | None = None  # a real device's own profile (node config)
     data_path: str | None = None  # a device's own data (node config data-path)
+    cache_dir: str | None = None  # where the device keeps its data between rounds (cache-dir)
     label_secret: int | None = None  # privacy.label_epsilon: seeds the node's label draw
     node_key: bytes | None = None  # this node's data-plane private key, once it has one
     max_steps: int | None = None  # partial work: the planner's cap on this round's batches
@@ -164,6 +168,7 @@ class ClientRound:
             int(data["server_round"]), int(data["cut"]), bool(data.get("checkpoint", False)),
             str(data.get("token", "")), address, **partition, declared=declared,
             data_path=str(node[DATA_KEY]) if node.get(DATA_KEY) else None,
+            cache_dir=str(node[CACHE_KEY]) if node.get(CACHE_KEY) else None,
             label_secret=_label_secret(context) if spec.privacy.label_epsilon else None,
             node_key=_held_node_key(context),
             max_steps=int(data.get("max_steps", 0)) or None,
@@ -211,6 +216,16 @@ class ClientRound:
         return self._released_labels(self._raw_dataset())
 
     def _raw_dataset(self) -> TensorDataset:
+        if self.cache_dir is None:
+            return self._load_dataset()
+        # A fresh process per message (Deployment Engine): load once, read back after.
+        key = {"dataset": asdict(self.spec.dataset), "path": self.data_path}
+        if self.data_path is None:
+            key |= {"partitioner": asdict(self.spec.partitioner), "seed": self.spec.seed,
+                    "partition_id": self.partition_id, "num_partitions": self.num_partitions}
+        return cached_dataset(self.cache_dir, key, self._load_dataset)
+
+    def _load_dataset(self) -> TensorDataset:
         if self.data_path is None:
             return client_dataset(
                 self.spec.dataset, self.spec.partitioner, seed=self.spec.seed,

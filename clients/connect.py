@@ -15,6 +15,9 @@ carries what the ClientApp reads on this device:
 ``trunk-root-certificates``
     With ``--root-certificates``: the same roots verify the SuperLink and the trunk
     service, and a task whose trunk is plaintext is refused.
+``cache-dir``
+    Where the device keeps its training data between rounds (``--cache-dir``; every
+    message starts a fresh ClientApp process, which would load it afresh).
 ``privacy-*``
     Its privacy floor and ledger (:mod:`splitlearn.privacy.floor`,
     :mod:`splitlearn.privacy.ledger`): the server cannot ask it for less.
@@ -33,7 +36,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from clients.app import DATA_KEY, TRUNK_ROOTS_KEY
+from clients.app import CACHE_KEY, DATA_KEY, TRUNK_ROOTS_KEY
 from clients.device import PROFILE_KEY, preset_profiles
 from splitlearn.privacy.floor import FLOOR_KEYS, PrivacyFloor
 from splitlearn.privacy.ledger import LEDGER_KEY
@@ -57,6 +60,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--auth-key", type=Path, metavar="FILE",
                         help="this device's EC private key (OpenSSH format), if the SuperLink "
                              "authenticates SuperNodes")
+    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir(), metavar="FOLDER",
+                        help="where this device keeps its training data between rounds "
+                             "(default: %(default)s)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="load the training data afresh every round")
     parser.add_argument("--partition-id", type=int, default=0,
                         help="this device's index (its share of the run's data without --data)")
     parser.add_argument("--num-partitions", type=int, default=1)
@@ -80,6 +88,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/splitlearn``, else ``~/.cache/splitlearn``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "splitlearn"
+
+
 def node_config(args: argparse.Namespace) -> dict[str, object]:
     """Return the node config the ClientApp reads (ValueError naming a bad value)."""
     if not 0 <= args.partition_id < args.num_partitions:
@@ -89,7 +102,7 @@ def node_config(args: argparse.Namespace) -> dict[str, object]:
                                  "num-partitions": args.num_partitions,
                                  PROFILE_KEY: args.profile}
     paths = {DATA_KEY: args.data, TRUNK_ROOTS_KEY: args.root_certificates,
-             LEDGER_KEY: args.privacy_ledger}
+             LEDGER_KEY: args.privacy_ledger, CACHE_KEY: None if args.no_cache else args.cache_dir}
     for key, path in paths.items():
         if path is not None:
             config[key] = str(path.resolve())

@@ -255,11 +255,14 @@ def device_data(folder: Path, shares: int = 2) -> list[tuple[Path, int]]:
 
 
 def start_device(processes: Processes, env, *, index: int, count: int, port: int, ca: Path,
-                 key: Path, profile: str, data: Path, ledger: Path) -> subprocess.Popen:
-    """A device joining with ``python -m clients.connect`` (its own data, floor and ledger)."""
+                 key: Path, profile: str, data: Path, ledger: Path, cache: Path
+                 ) -> subprocess.Popen:
+    """A device joining with ``python -m clients.connect`` (its own data, floor, ledger and
+    data cache)."""
     return processes.start(f"device-{index}", [
         sys.executable, "-m", "clients.connect", "--superlink", f"127.0.0.1:{port}",
-        "--profile", profile, "--data", str(data), "--root-certificates", str(ca),
+        "--profile", profile, "--data", str(data), "--cache-dir", str(cache),
+        "--root-certificates", str(ca),
         "--auth-key", str(key), "--partition-id", str(index), "--num-partitions", str(count),
         "--privacy-option", "activation_gaussian", "--privacy-ledger", str(ledger),
         "--port", str(free_port()), "--max-wait-time", "60"], env)
@@ -302,7 +305,8 @@ def test_deployment_with_tls_node_auth_devices_that_vanish_and_a_serverapp_that_
         assert registered.returncode == 0, registered.stdout + registered.stderr
         devices.append(start_device(
             processes, device_env, index=i, count=3, port=port, ca=files.ca, key=private,
-            profile=profile, data=data[i][0], ledger=tmp_path / "ledgers" / f"device{i}.json"))
+            profile=profile, data=data[i][0], ledger=tmp_path / "ledgers" / f"device{i}.json",
+            cache=tmp_path / "caches" / f"device{i}"))
     # A node whose key was never registered is turned away by the SuperLink.
     rogue, _ = make_node_key(tmp_path / "keys", "rogue")
     intruder = start_supernode(processes, env, port=port, ca=files.ca, key=rogue, partition=9,
@@ -382,3 +386,6 @@ def test_deployment_with_tls_node_auth_devices_that_vanish_and_a_serverapp_that_
     assert spent[0] - 1e-9 <= rounds[3]["epsilon"] <= spent[1] + 1e-9
     assert json.loads((run_dir / "config.json").read_text())["dataplane"]["ssl_certfile"] == (
         str(files.certificate))
+    # Each device read its file once and kept its data in its cache folder after.
+    assert [len(list((tmp_path / "caches" / f"device{i}").glob("data-*.pt")))
+            for i in range(3)] == [1, 1, 1]

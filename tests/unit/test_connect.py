@@ -7,7 +7,7 @@ import pytest
 import torch
 from flwr.common.config import parse_config_args
 
-from clients.app import DATA_KEY, TRUNK_ROOTS_KEY
+from clients.app import CACHE_KEY, DATA_KEY, TRUNK_ROOTS_KEY
 from clients.connect import format_node_config, node_config, parse_args, supernode_command
 from clients.device import PROFILE_KEY, declared_profile, measured_time, plan_round
 from splitlearn.config import DatasetConfig, RunSpec
@@ -94,3 +94,13 @@ def test_bad_device_data_fails_with_the_reason(tmp_path, rows, message):
         local_dataset(tmp_path / "bad.parquet", DatasetConfig())
     with pytest.raises(ValueError, match="no parquet file"):
         local_dataset(tmp_path / "empty", DatasetConfig())
+
+
+def test_a_device_keeps_its_data_in_its_cache_folder_unless_told_not_to(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = node_config(args())
+    assert built[CACHE_KEY] == str(tmp_path / "splitlearn")
+    assert parse_config_args([format_node_config(built)]) == built
+    assert node_config(args("--cache-dir", str(tmp_path / "mine")))[CACHE_KEY] == str(
+        tmp_path / "mine")
+    assert CACHE_KEY not in node_config(args("--no-cache"))

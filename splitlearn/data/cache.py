@@ -1,0 +1,77 @@
+"""A device's training data kept on its own disk between rounds.
+
+On Flower's Deployment Engine every message starts a fresh ClientApp process, so
+loading a partition pays the loaders' imports and the partitioning every round:
+about 4 s for a digits partition on a 2-core host (scikit-learn's loader, Hugging
+Face ``datasets`` and flwr-datasets), where a warm process takes 9 ms. A device
+with a cache folder (node config ``cache-dir``; ``python -m clients.connect``
+sets one) builds its data once and reads the tensors back afterwards.
+
+A file is named by a digest of everything that decides the data: the loader's
+arguments, the size and modification time of each local file it reads, and the
+source of this package's data code, so a change to any of them builds afresh.
+A file that cannot be read is rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from torch.utils.data import TensorDataset
+
+log = logging.getLogger(__name__)
+
+#: The modules whose code decides what a partition holds.
+_DATA_CODE = tuple(sorted(Path(__file__).parent.glob("*.py")))
+
+
+def cached_dataset(folder: str | Path, key: Mapping[str, object],
+                   build: Callable[[], TensorDataset]) -> TensorDataset:
+    """Return the data ``key`` names from ``folder``, or ``build()`` it and keep it there.
+
+    Parameters
+    ----------
+    folder : str or Path
+        The device's cache folder (made if missing).
+    key : Mapping[str, object]
+        JSON-able description of the data (the loader's arguments). A ``path``
+        entry naming local files adds their sizes and modification times.
+    build : Callable[[], TensorDataset]
+        Loads the data when no readable file holds it.
+    """
+    path = Path(folder) / f"data-{_digest(key)}.pt"
+    try:
+        images, labels = torch.load(path, weights_only=True)
+        return TensorDataset(images, labels)
+    except FileNotFoundError:
+        pass
+    except Exception as err:  # noqa: BLE001 - any unreadable file is rebuilt
+        log.warning("data cache: %s unreadable (%s), rebuilding", path, err)
+    data = build()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    torch.save(list(data.tensors), partial)
+    os.replace(partial, path)  # a reader sees the whole file or none
+    return data
+
+
+def _digest(key: Mapping[str, object]) -> str:
+    described = {"key": dict(key), "files": _file_stamps(key.get("path")),
+                 "code": [hashlib.sha256(p.read_bytes()).hexdigest() for p in _DATA_CODE]}
+    text = json.dumps(described, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _file_stamps(path: object) -> list[tuple[str, int, int]]:
+    """Size and modification time of each file under ``path`` (none if it is not local)."""
+    if not isinstance(path, str | Path) or not Path(path).exists():
+        return []
+    root = Path(path)
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
