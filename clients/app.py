@@ -219,7 +219,9 @@ class ClientRound:
         if self.cache_dir is None:
             return self._load_dataset()
         # A fresh process per message (Deployment Engine): load once, read back after.
-        key = {"dataset": asdict(self.spec.dataset), "path": self.data_path}
+        # The files read (own data, or the dataset's local folder) are stamped too.
+        key = {"dataset": asdict(self.spec.dataset),
+               "path": self.data_path or self.spec.dataset.path}
         if self.data_path is None:
             key |= {"partitioner": asdict(self.spec.partitioner), "seed": self.spec.seed,
                     "partition_id": self.partition_id, "num_partitions": self.num_partitions}
