@@ -28,6 +28,7 @@ from splitlearn.dataplane import (
 )
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor
+from splitlearn.device_sgd import DeviceSGD
 from splitlearn.models import build_model
 from splitlearn.privacy import (
     ClientPrivacy,
@@ -320,10 +321,9 @@ def test_none_privacy_changes_nothing_in_the_round():
     assert privacy.batches() is loader
     layer = nn.Linear(2, 2)
     optimizer = privacy.make_optimizer(layer, lr=0.1, momentum=0.5, weight_decay=0.01)
-    assert type(optimizer) is torch.optim.SGD
-    group = optimizer.param_groups[0]
-    assert (group["lr"], group["momentum"], group["weight_decay"]) == (0.1, 0.5, 0.01)
-    assert group["params"] == list(layer.parameters())
+    assert type(optimizer) is DeviceSGD  # torch's SGD update (test_device_sgd.py)
+    assert (optimizer.lr, optimizer.momentum, optimizer.weight_decay) == (0.1, 0.5, 0.01)
+    assert optimizer.params == list(layer.parameters())
 
 
 # --- accounting -------------------------------------------------------------------------------

@@ -1,0 +1,71 @@
+"""DeviceSGD steps exactly as torch.optim.SGD, without building a torch Optimizer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from splitlearn.device_sgd import DeviceSGD
+
+
+def two_copies(seed: int) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3))
+    twin = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3))
+    twin.load_state_dict(net.state_dict())
+    return net, twin
+
+
+@settings(max_examples=25, deadline=None)
+@given(lr=st.floats(1e-4, 1.0), momentum=st.sampled_from([0.0, 0.5, 0.9]),
+       weight_decay=st.sampled_from([0.0, 1e-4, 0.01]), steps=st.integers(1, 4),
+       frozen=st.booleans(), seed=st.integers(0, 2**16))
+def test_every_step_is_torchs_sgd_bit_for_bit(lr, momentum, weight_decay, steps, frozen, seed):
+    ours, reference = two_copies(seed)
+    if frozen:  # a parameter without a gradient is left alone by both
+        ours[0].bias.requires_grad_(False)
+        reference[0].bias.requires_grad_(False)
+    mine = DeviceSGD(ours.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    torchs = torch.optim.SGD(reference.parameters(), lr=lr, momentum=momentum,
+                             weight_decay=weight_decay)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(5, 1, 8, 8, generator=generator)
+        for net, optimizer in ((ours, mine), (reference, torchs)):
+            optimizer.zero_grad(set_to_none=True)
+            net(x).square().mean().backward()
+            optimizer.step()
+    for a, b in zip(ours.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(ours.parameters(), reference.parameters(), strict=True):
+        mine_buffer = mine.state.get(a, {}).get("momentum_buffer")
+        torch_buffer = torchs.state.get(b, {}).get("momentum_buffer")
+        assert (mine_buffer is None) == (torch_buffer is None)
+        assert mine_buffer is None or torch.equal(mine_buffer, torch_buffer)
+
+
+def test_zero_grad_drops_or_zeroes_the_gradients():
+    layer = nn.Linear(2, 2)
+    optimizer = DeviceSGD(layer.parameters(), lr=0.1)
+    layer(torch.ones(1, 2)).sum().backward()
+    optimizer.zero_grad(set_to_none=False)
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in layer.parameters())
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in layer.parameters())
+
+
+def test_a_fresh_process_steps_without_importing_torchs_compiler():
+    """What the device saves: torch.optim.SGD's first construction imports torch._dynamo."""
+    probe = ("import sys, torch; from torch import nn; "
+             "from splitlearn.device_sgd import DeviceSGD; "
+             "m = nn.Linear(2, 2); o = DeviceSGD(m.parameters(), lr=0.1, momentum=0.5); "
+             "m(torch.ones(1, 2)).sum().backward(); o.step(); "
+             "print('torch._dynamo' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True)
+    assert run.stdout.strip() == "False"
