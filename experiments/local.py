@@ -118,7 +118,8 @@ def run_local(cfg: DictConfig, *, concurrency: int = 1,
               grid_type: type[LocalGrid] = LocalGrid) -> TrainingResult:
     """Run ``cfg`` through the shipped strategy, runtime and ClientApp, in this process.
 
-    ``cfg.run_dir`` is used when set; otherwise the run folder is temporary. With
+    ``cfg.run_dir`` is used when set; otherwise the run folder is temporary (and
+    gets no plots: nobody would see them, and drawing them costs seconds). With
     trunk workers (``dataplane.trunk_workers`` > 1) the trunk lives in other processes,
     so the clients reach it over gRPC. ``grid_type`` may be a :class:`LocalGrid`
     subclass that also watches the messages (tests capture what the server receives).
@@ -126,6 +127,7 @@ def run_local(cfg: DictConfig, *, concurrency: int = 1,
     with tempfile.TemporaryDirectory(prefix="local-run-") as tmp:
         if OmegaConf.is_missing(cfg, "run_dir"):
             cfg.run_dir = tmp
+            cfg.logger.plots = False
         runtime = start_runtime(cfg)
         try:
             channels = (grpc_channel if runtime.workers is not None

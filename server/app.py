@@ -130,6 +130,7 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
         run_dir=run_dir, logger=cfg.logger.name, project=cfg.logger.project,
         group=cfg.logger.group, tags=list(cfg.logger.tags), wandb_mode=cfg.logger.mode,
         wandb_resume_id=resumed.sinks.get("wandb_id") if resumed else None,
+        plots=cfg.logger.plots,
     )
     devices = to_object(cfg.devices)
     fleet = build_fleet(

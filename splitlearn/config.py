@@ -195,6 +195,7 @@ class LoggerConfig:
     project: str = "splitlearn"
     group: str | None = None
     tags: list[str] = field(default_factory=list)
+    plots: bool = True  # PNG plots in the run folder at the end (off: JSON/CSV only)
 
 
 #: ``privacy.name`` values (splitlearn.privacy.registry implements each).

@@ -51,6 +51,9 @@ class FileSink:
     ----------
     run_dir : Path
         Run folder; created if missing.
+    plots : bool
+        Whether :meth:`close` draws the PNG plots (the JSON and CSV files are
+        always written).
 
     Notes
     -----
@@ -58,8 +61,9 @@ class FileSink:
     into one row (e.g. fit metrics first, evaluation metrics later).
     """
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, *, plots: bool = True) -> None:
         self.run_dir = Path(run_dir)
+        self.plots = plots
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._rounds: dict[int, dict[str, Any]] = {}
         self._client_rows: list[dict[str, Any]] = []
@@ -126,7 +130,7 @@ class FileSink:
                       _to_csv(self._client_rows, self._client_columns))
 
     def close(self) -> None:
-        """Write ``metrics.png`` and ``clients.png`` if there is data.
+        """Write ``metrics.png`` and ``clients.png`` if there is data (and ``plots``).
 
         Plots are skipped with a warning when matplotlib is not installed.
         Calling it again is a no-op.
@@ -134,6 +138,8 @@ class FileSink:
         if self._closed:
             return
         self._closed = True
+        if not self.plots:
+            return
         title = self.run_dir.resolve().name
         try:
             if self._rounds:

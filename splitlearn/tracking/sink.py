@@ -137,6 +137,7 @@ def make_sinks(
     run_name: str | None = None,
     wandb_mode: str = "auto",
     wandb_resume_id: str | None = None,
+    plots: bool = True,
 ) -> CompositeSink:
     """Build the sinks of one run.
 
@@ -154,6 +155,8 @@ def make_sinks(
         :func:`~splitlearn.tracking.wandb_sink.resolve_mode`.
     wandb_resume_id : str | None
         Continue this W&B run (a resumed run) instead of starting a new one.
+    plots : bool
+        Whether the run folder gets its PNG plots when the run ends.
 
     Returns
     -------
@@ -170,7 +173,7 @@ def make_sinks(
         accepted = ", ".join(repr(name) for name in LOGGERS)
         raise ValueError(f"unknown logger {logger!r}; accepted: {accepted}")
     # FileSink first: its close() writes the PNGs that WandbSink.close() uploads.
-    sinks: list[MetricsSink] = [FileSink(run_dir)]
+    sinks: list[MetricsSink] = [FileSink(run_dir, plots=plots)]
     if logger == "wandb":
         sinks.append(
             WandbSink(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -338,9 +339,28 @@ def test_epsilon_grows_with_steps_and_equals_opacus(sigma, q):
         opacus.step(noise_multiplier=sigma, sample_rate=q)
         if steps in (1, 4, 30):  # each epsilon costs ~0.1 s of RDP maths
             epsilons.append(ours.epsilon(1e-5))
-            assert epsilons[-1] == pytest.approx(opacus.get_epsilon(delta=1e-5), rel=1e-12)
+            assert epsilons[-1] == opacus.get_epsilon(delta=1e-5)  # bit for bit
     assert all(b > a for a, b in zip(epsilons, epsilons[1:], strict=False))
-    assert compute_epsilon(history=[(sigma, q, 30)], delta=1e-5) == pytest.approx(epsilons[-1])
+    assert compute_epsilon(history=[(sigma, q, 30)], delta=1e-5) == epsilons[-1]
+
+
+def test_a_mixed_history_is_opacus_accountants_sum_bit_for_bit_and_reuses_each_pairs_rdp():
+    from splitlearn.privacy.accounting import _one_step_rdp
+
+    history = [(1.0, 0.22, 10), (0.5, 1.0, 3), (1.0, 0.22, 7), (0.01, 1.0, 1)]
+    opacus = RDPAccountant()
+    for sigma, q, n in history:
+        for _ in range(n):
+            opacus.step(noise_multiplier=sigma, sample_rate=q)
+    ours = PrivacyAccountant(history)
+    assert ours.history == history == opacus.history
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Opacus: "optimal order is the smallest"
+        assert ours.epsilon(1e-5) == opacus.get_epsilon(delta=1e-5)
+    computed = _one_step_rdp.cache_info().misses
+    # A device charging its next round adds steps of the same pair: nothing is recomputed.
+    assert ours.epsilon_after([(1.0, 0.22, 5)], delta=1e-5) > ours.epsilon(1e-5)
+    assert _one_step_rdp.cache_info().misses == computed
 
 
 def test_accountant_history_survives_plain_lists():

@@ -174,6 +174,20 @@ def test_file_sink_close_writes_pngs(tmp_path: Path) -> None:
     _assert_png(tmp_path / "clients.png")
 
 
+def test_without_plots_the_files_are_complete_and_no_png_is_drawn(tmp_path: Path) -> None:
+    """``logger.plots=false``: the same JSON and CSV files, no PNG."""
+    for folder, plots in ((tmp_path / "with", True), (tmp_path / "without", False)):
+        sink = make_sinks(run_dir=folder, logger="none", plots=plots)
+        for r, metrics in enumerate(ROUNDS, start=1):
+            sink.log_round(r, metrics)
+            sink.log_clients(r, _client_rows(cut=2))
+        sink.close()
+    assert not list((tmp_path / "without").glob("*.png"))
+    assert {"metrics.png", "clients.png"} <= {p.name for p in (tmp_path / "with").glob("*.png")}
+    for name in ("metrics.json", "metrics.csv", "clients.csv"):
+        assert (tmp_path / "without" / name).read_bytes() == (tmp_path / "with" / name).read_bytes()
+
+
 def test_file_sink_close_without_data_writes_no_png(tmp_path: Path) -> None:
     """A run that logged nothing gets no empty plots."""
     sink = FileSink(tmp_path)
