@@ -148,10 +148,14 @@ def fixed_batches(
 
 
 def small_config(*overrides: str, run_dir: str | None = None) -> DictConfig:
-    """The shipped config, shrunk for tests: few clients and rounds, files only."""
+    """The shipped config, shrunk for tests: few clients and rounds, JSON/CSV files only.
+
+    No PNG plots (seconds per run folder): the tests that check them run the full
+    command (``tests/integration/test_simulation.py``, ``test_heterogeneity.py``).
+    """
     cfg = compose_config([
-        "logger=none", "num_clients=3", "strategy.num_rounds=2", "strategy.local_epochs=1",
-        *overrides,
+        "logger=none", "logger.plots=false", "num_clients=3", "strategy.num_rounds=2",
+        "strategy.local_epochs=1", *overrides,
     ])
     if run_dir is not None:
         cfg.run_dir = run_dir
