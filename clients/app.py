@@ -499,20 +499,23 @@ def _deadline(rnd: ClientRound, plan: DevicePlan, *, weights_bytes: int, batches
 
 def share_of_round(value: object) -> float:
     """Return a share in [0, 1] from a record; anything else (NaN, not a number) is 1: whole."""
-    try:
-        share = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return 1.0
-    return min(max(share, 0.0), 1.0) if math.isfinite(share) else 1.0
+    share = _finite_or_none(value)
+    return 1.0 if share is None else min(max(share, 0.0), 1.0)
 
 
 def _positive_or_none(value: object) -> float | None:
     """Return a positive float from a record, or None (0, missing or not a number: none)."""
+    number = _finite_or_none(value)
+    return number if number is not None and number > 0 else None
+
+
+def _finite_or_none(value: object) -> float | None:
+    """Return a record's value as a finite float, or None (missing, NaN, not a number)."""
     try:
         number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return None
-    return number if math.isfinite(number) and number > 0 else None
+    return number if math.isfinite(number) else None
 
 
 def _train_metrics(rnd: ClientRound, plan: DevicePlan, report: TrainReport, memory: int,

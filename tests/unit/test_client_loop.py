@@ -423,3 +423,12 @@ def test_a_rounds_least_share_is_read_as_a_share_or_the_whole_round(sent, share)
     from clients.app import share_of_round
 
     assert share_of_round(sent) == share  # a NaN used to fail the round in math.ceil
+
+
+@pytest.mark.parametrize("sent,deadline", [(5.0, 5.0), ("2.5", 2.5), (0.0, None), (-1.0, None),
+                                           (float("nan"), None), (float("inf"), None),
+                                           ("soon", None), (None, None)])
+def test_a_rounds_deadline_is_a_positive_number_of_seconds_or_none(sent, deadline):
+    from clients.app import _positive_or_none
+
+    assert _positive_or_none(sent) == deadline
