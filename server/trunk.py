@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.nn.utils import get_total_norm, parameters_to_vector
 
 from splitlearn.dataplane.codec import FrameError, Reason
+from splitlearn.device_sgd import DeviceSGD
 from splitlearn.models import SplittableModel
 from splitlearn.split import load_bottom_state
 
@@ -47,7 +48,7 @@ class Trunk:
         # Shapes never change; probing them per frame would run the model under
         # concurrent training steps.
         self._cut_shapes = {cut: model.cut_shape(cut) for cut in model.valid_cuts}
-        self.optimizer = torch.optim.SGD(model.parameters(), **self.hyper)
+        self.optimizer = DeviceSGD(model.parameters(), **self.hyper)
         self._lock = threading.Lock()
         self._buffers = list(model.buffers())  # batch-norm statistics: a refused step restores them
         self.steps = 0

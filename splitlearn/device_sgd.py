@@ -1,17 +1,20 @@
-"""PyTorch's SGD update for a device, without building a ``torch.optim.Optimizer``.
+"""PyTorch's SGD update without building a ``torch.optim.Optimizer``.
 
 The first ``torch.optim.Optimizer`` a process builds imports ``torch._dynamo``
 (its methods are wrapped to keep the compiler out): 2.9 s in a fresh process on a
 2-core host, against 0.5 ms for every later one. Flower's Deployment Engine starts
-a fresh ClientApp process for every message, so a device paid it every round.
+a fresh ClientApp process for every message, so a device paid it every round; the
+server paid it once per run and once per trunk worker process.
 :class:`DeviceSGD` keeps the momentum buffers itself and steps through
 ``torch.optim.sgd.sgd``, the function ``torch.optim.SGD.step`` calls, with the
-same arguments: the same update, bit for bit (the unit tests compare them).
+same arguments: the same update, bit for bit (the unit tests compare them). Its
+state dict has ``torch.optim.SGD``'s format, so either loads the other's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,3 +61,49 @@ class DeviceSGD:
         if self.momentum != 0:
             for p, buffer in zip(params, buffers, strict=True):
                 self.state[p] = {"momentum_buffer": buffer}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the momentum and settings in ``torch.optim.SGD.state_dict()``'s format.
+
+        Parameters are numbered in the order given; the buffers are this optimiser's
+        own tensors (copy them to keep them), as torch's are.
+        """
+        index = {p: i for i, p in enumerate(self.params)}
+        group = {"lr": self.lr, "momentum": self.momentum, "dampening": 0,
+                 "weight_decay": self.weight_decay, "nesterov": False, "maximize": False,
+                 "foreach": None, "differentiable": False, "fused": None,
+                 "params": list(range(len(self.params)))}
+        return {"state": {index[p]: dict(state) for p, state in self.state.items()},
+                "param_groups": [group]}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` (or ``torch.optim.SGD.state_dict()``) returned.
+
+        As torch does, the saved learning rate, momentum and weight decay replace the
+        current ones and each buffer takes its parameter's dtype and device.
+
+        Raises
+        ------
+        ValueError
+            If the saved state is not one parameter group of as many parameters, or it
+            uses an SGD variant this class does not step (dampening, Nesterov, maximise).
+        """
+        groups = state_dict["param_groups"]
+        if len(groups) != 1 or len(groups[0]["params"]) != len(self.params):
+            raise ValueError(
+                f"the saved optimiser state has {len(groups)} parameter group(s) of "
+                f"{[len(g['params']) for g in groups]} parameters; this one has one group "
+                f"of {len(self.params)}")
+        group = groups[0]
+        if group.get("dampening", 0) or group.get("nesterov") or group.get("maximize"):
+            raise ValueError("the saved optimiser uses dampening, Nesterov or maximize, "
+                             "which DeviceSGD does not step")
+        self.lr, self.momentum = group["lr"], group["momentum"]
+        self.weight_decay = group["weight_decay"]
+        by_saved_id = dict(zip(group["params"], self.params, strict=True))
+        self.state = {
+            by_saved_id[i]: {"momentum_buffer": saved["momentum_buffer"].to(
+                device=by_saved_id[i].device, dtype=by_saved_id[i].dtype, copy=True)}
+            for i, saved in state_dict["state"].items()
+            if saved.get("momentum_buffer") is not None
+        }
