@@ -119,13 +119,15 @@ def run_local(cfg: DictConfig, *, concurrency: int = 1,
     """Run ``cfg`` through the shipped strategy, runtime and ClientApp, in this process.
 
     ``cfg.run_dir`` is used when set; otherwise the run folder is temporary (and
-    gets no plots: nobody would see them, and drawing them costs seconds). With
+    gets no plots: nobody would see them, and drawing them costs seconds), set on a
+    copy of ``cfg``, so the caller's config never names the deleted folder. With
     trunk workers (``dataplane.trunk_workers`` > 1) the trunk lives in other processes,
     so the clients reach it over gRPC. ``grid_type`` may be a :class:`LocalGrid`
     subclass that also watches the messages (tests capture what the server receives).
     """
     with tempfile.TemporaryDirectory(prefix="local-run-") as tmp:
         if OmegaConf.is_missing(cfg, "run_dir"):
+            cfg = copy.deepcopy(cfg)
             cfg.run_dir = tmp
             cfg.logger.plots = False
         runtime = start_runtime(cfg)

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from experiments.local import run_local
@@ -151,6 +152,7 @@ def test_bytes_moved_per_sample_are_the_closed_forms(strategy, uplink, downlink)
     cfg = small_config(f"strategy={strategy}", f"dataplane.compression.uplink={uplink}",
                        f"dataplane.compression.downlink={downlink}")
     rounds = run_local(cfg, concurrency=1).history[1:]
+    assert OmegaConf.is_missing(cfg, "run_dir")  # run_local's temporary folder stayed its own
     measured = (sum(r["bytes_up"] + r["bytes_down"] for r in rounds)
                 / sum(r["examples"] for r in rounds))
     model = build_model_from_config(to_object(cfg.model), to_object(cfg.dataset))
