@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 from omegaconf import DictConfig
+from xdist.remote import Producer
+from xdist.scheduler import LoadScopeScheduling
 
 from protocols import compose_config, protocol_named
 from server.trunk import Trunk
@@ -168,3 +170,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for folder in ("unit", "integration"):
             if f"tests/{folder}/" in item.nodeid:
                 item.add_marker(getattr(pytest.mark, folder))
+
+
+#: Under ``--dist loadgroup`` (the serial tests' command) the tests of these files get an
+#: xdist worker of their own and all others share one, so those run one at a time. The
+#: deployment test mostly waits on Flower's polls and heartbeats and starts no Ray, so it
+#: runs beside them (the serial phase here: 524 s one at a time, 362 s in these two lanes).
+OWN_LANE = ("tests/integration/test_deployment.py",)
+
+
+class SerialLanes(LoadScopeScheduling):
+    """Two xdist lanes: each file of :data:`OWN_LANE` one of its own, every other test the other."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return next((path for path in OWN_LANE if nodeid.startswith(f"{path}::")), "shared")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> SerialLanes | None:
+    """The lanes of ``--dist loadgroup`` (see :data:`OWN_LANE`).
+
+    xdist's own ``loadgroup`` reads ``xdist_group`` marks by renaming ``item._nodeid``,
+    which pytest 9's ``nodeid`` no longer reads: every test would be a group of its own.
+    """
+    return SerialLanes(config, log) if config.getvalue("dist") == "loadgroup" else None
