@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable, Sequence
 
 import torch
@@ -21,6 +24,14 @@ from splitlearn.models import SplittableModel
 from splitlearn.planning.cost import ClientState, CutCost
 from splitlearn.privacy import ClientPrivacy
 from strategies.splitfed import SplitFedV2Options
+
+
+def imports_in_a_fresh_process(code: str, module: str) -> bool:
+    """Run ``code`` in a fresh interpreter (a failure fails the test); did it import ``module``?"""
+    probe = f"{textwrap.dedent(code)}\nimport sys\nprint({module!r} in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.split()[-1] == "True"
 
 
 def train_whole(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]], lr: float) -> None:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,6 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from splitlearn.device_sgd import DeviceSGD
+from tests.helpers import imports_in_a_fresh_process
 
 
 def two_copies(seed: int) -> tuple[nn.Module, nn.Module]:
@@ -119,11 +117,12 @@ def test_zero_grad_drops_or_zeroes_the_gradients():
 
 def test_a_fresh_process_steps_without_importing_torchs_compiler():
     """What the device saves: torch.optim.SGD's first construction imports torch._dynamo."""
-    probe = ("import sys, torch; from torch import nn; "
-             "from splitlearn.device_sgd import DeviceSGD; "
-             "m = nn.Linear(2, 2); o = DeviceSGD(m.parameters(), lr=0.1, momentum=0.5); "
-             "m(torch.ones(1, 2)).sum().backward(); o.step(); "
-             "print('torch._dynamo' in sys.modules)")
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         check=True)
-    assert run.stdout.strip() == "False"
+    assert not imports_in_a_fresh_process("""
+        import torch
+        from torch import nn
+        from splitlearn.device_sgd import DeviceSGD
+        m = nn.Linear(2, 2)
+        o = DeviceSGD(m.parameters(), lr=0.1, momentum=0.5)
+        m(torch.ones(1, 2)).sum().backward()
+        o.step()
+        """, "torch._dynamo")

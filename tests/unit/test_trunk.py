@@ -12,8 +12,6 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import subprocess
-import sys
 import threading
 from types import SimpleNamespace
 
@@ -36,7 +34,7 @@ from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor, encode_tensor
 from splitlearn.split import bottom_state
 from tests.conftest import digits_like_model, fixed_batches
-from tests.helpers import max_param_diff
+from tests.helpers import imports_in_a_fresh_process, max_param_diff
 
 CUT = 2
 LR = 0.1
@@ -161,16 +159,18 @@ def test_a_body_that_raises_applies_nothing_and_the_error_propagates():
 
 def test_a_fresh_server_process_steps_the_trunk_without_importing_torchs_compiler():
     """torch.optim.SGD's first construction imports torch._dynamo (~2-3 s per process here)."""
-    probe = ("import sys, torch; from server.trunk import Trunk; "
-             "from splitlearn.models import build_model; "
-             "m = build_model('cnn', in_channels=1, image_size=8, num_classes=10, seed=0); "
-             "t = Trunk(m, lr=0.1, momentum=0.5); x = torch.zeros(2, 1, 8, 8)\n"
-             "with t.step(samples=2, from_stage=0) as backward: "
-             "backward(torch.nn.functional.cross_entropy(t.run(x, 0), torch.tensor([0, 1])))\n"
-             "t.load_state_dict(t.state_dict()); print('torch._dynamo' in sys.modules, t.steps)")
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         check=True)
-    assert run.stdout.split() == ["False", "1"]
+    assert not imports_in_a_fresh_process("""
+        import torch
+        from server.trunk import Trunk
+        from splitlearn.models import build_model
+        trunk = Trunk(build_model("cnn", in_channels=1, image_size=8, num_classes=10, seed=0),
+                      lr=0.1, momentum=0.5)
+        with trunk.step(samples=2, from_stage=0) as backward:
+            logits = trunk.run(torch.zeros(2, 1, 8, 8), 0)
+            backward(torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1])))
+        trunk.load_state_dict(trunk.state_dict())
+        assert trunk.steps == 1
+        """, "torch._dynamo")
 
 
 def test_steps_samples_and_busy_seconds_are_booked_once_per_step(fake_clock):
