@@ -66,6 +66,11 @@
     to a device preset's links, 3 rounds of the default job; the virtual clock's
     prediction per client-round against wall time; see :mod:`experiments.netns_bench`.
 
+``trunk``
+    The trunk's training step with its activations in PyTorch's standard layout and
+    channels-last, for every network at its config's cut (``--models``); see
+    :mod:`experiments.trunk_bench`.
+
 Extra arguments are Hydra overrides, e.g. ``strategy.num_rounds=5``.
 """
 
@@ -382,12 +387,21 @@ def bench_netns_suite(overrides: Sequence[str], *, relay: bool = True) -> None:
     run_bench(overrides, relay=relay)
 
 
+def bench_trunk_suite(overrides: Sequence[str], *, models: Sequence[str] | None = None
+                      ) -> None:
+    """Time the trunk's step per activation layout (:mod:`experiments.trunk_bench`)."""
+    from experiments.trunk_bench import bench_trunk
+
+    bench_trunk(overrides, models=models)
+
+
 BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
               "compression": bench_compression_suite, "communication": bench_communication_suite,
               "latency": bench_latency_suite, "scale": bench_scale_suite,
               "clock": bench_clock, "memory": bench_memory, "planner": bench_planner_suite,
               "tls": bench_tls, "executorch": bench_executorch,
-              "executorch-rounds": bench_executorch_rounds_suite, "netns": bench_netns_suite}
+              "executorch-rounds": bench_executorch_rounds_suite, "netns": bench_netns_suite,
+              "trunk": bench_trunk_suite}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -407,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+",
                         choices=("greedy", "dynsl", "smartsplit", "smartsplit-random"),
                         help="planner: only these planners (the uniform cuts always run)")
+    parser.add_argument("--models", nargs="+", help="trunk: only these networks")
     parser.add_argument("--no-relay", action="store_true",
                         help="netns: no latency relay (the veth's own RTT)")
     args = parser.parse_args(argv)
@@ -422,6 +437,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         bench_scale_suite(args.overrides, clients=args.clients or [10, 100, 1000, 10000])
     elif args.name == "rounds":
         bench_rounds_suite(args.overrides, repeats=args.repeats)
+    elif args.name == "trunk":
+        bench_trunk_suite(args.overrides, models=args.models)
     elif args.name == "netns":
         bench_netns_suite(args.overrides, relay=not args.no_relay)
     else:

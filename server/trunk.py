@@ -37,14 +37,20 @@ class Trunk:
         every cut in use get no gradient, so SGD leaves them as they are.
     lr, momentum, weight_decay : float
         SGD settings.
+    channels_last : bool, optional
+        Give the stages 4-D activations channels-last (NHWC); None: as the model
+        prefers (:attr:`SplittableModel.channels_last`). Only the activations change
+        layout: the weights, their state and the gradient sent back keep PyTorch's
+        standard one.
     """
 
     def __init__(
         self, model: SplittableModel, *, lr: float, momentum: float = 0.0,
-        weight_decay: float = 0.0,
+        weight_decay: float = 0.0, channels_last: bool | None = None,
     ) -> None:
         self.model = model
         self.hyper = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+        self.channels_last = model.channels_last if channels_last is None else channels_last
         # Shapes never change; probing them per frame would run the model under
         # concurrent training steps.
         self._cut_shapes = {cut: model.cut_shape(cut) for cut in model.valid_cuts}
@@ -70,6 +76,10 @@ class Trunk:
 
     def run(self, x: Tensor, start: int, end: int | None = None) -> Tensor:
         """Run stages ``[start, end)`` (to the output when ``end`` is None)."""
+        if self.channels_last and x.dim() == 4:
+            # A differentiable copy: a leaf's .grad keeps the leaf's layout (autograd's
+            # layout contract), so the gradient at the cut goes back as it came.
+            x = x.contiguous(memory_format=torch.channels_last)
         for stage in self.model.stages[start:end]:
             x = stage(x)
         return x
@@ -209,7 +219,8 @@ class Trunk:
     def fork(self) -> Trunk:
         """Return an independent trunk on a copy of the model, with a fresh optimiser."""
         with self._lock:
-            return Trunk(copy.deepcopy(self.model), **self.hyper)
+            return Trunk(copy.deepcopy(self.model), **self.hyper,
+                         channels_last=self.channels_last)
 
     def snapshot(self) -> SplittableModel:
         """Return an independent copy of the whole server model."""

@@ -85,7 +85,8 @@ class TrunkRecipe:
         protocol = protocol_named(self.protocol)
         model = build_model_from_config(self.model, self.dataset, seed=self.seed)
         s = self.options
-        trunk = Trunk(model, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+        trunk = Trunk(model, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay,
+                      channels_last=self.limits.channels_last)
         handler = protocol.trunk(trunk, s, self.limits) if protocol.trunk else None
         tokens = TokenRegistry()
         handlers = {protocol.name: handler} if handler is not None else {}

@@ -142,6 +142,9 @@ class DataPlaneConfig:
     # and a key costs each newly sampled node one more Flower message.
     node_keys: bool | None = None
     trunk_threads: int = 1  # intra-op threads of the trunk's process (see engine)
+    # The trunk's 4-D activations channels-last; None: as the model prefers
+    # (SplittableModel.channels_last, measured by `python -m experiments.bench trunk`).
+    channels_last: bool | None = None
     # SplitFed v2's trunk in this many processes, clients dealt to them in turn and the
     # copies merged every round (1: the trunk steps in the ServerApp's process).
     trunk_workers: int = 1

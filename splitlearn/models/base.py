@@ -250,6 +250,12 @@ class SplittableModel(nn.Module):
         Number of output logits.
     """
 
+    #: Whether the server's trunk trains this network faster with its 4-D activations
+    #: channels-last (NHWC) than in PyTorch's standard layout: on CPU, oneDNN's
+    #: convolution kernels favour it for most convolution stacks, not for all.
+    #: Measured per network by ``python -m experiments.bench trunk``.
+    channels_last: bool = False
+
     def __init__(
         self,
         stages: Sequence[nn.Module],

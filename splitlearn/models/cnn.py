@@ -42,6 +42,8 @@ class SmallCNN(SplittableModel):
         pooling: about half a point better on digits in a quick check.
     """
 
+    channels_last = True  # its trunk steps 1.09x faster so (experiments.bench trunk)
+
     def __init__(
         self,
         *,

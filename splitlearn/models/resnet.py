@@ -102,6 +102,10 @@ class ResNet(SplittableModel):
         with stride 1).
     """
 
+    # Its trunk steps 1.19x faster so at cut 1, ResNet-18's 1.04x at cut 2
+    # (python -m experiments.bench trunk).
+    channels_last = True
+
     def __init__(
         self,
         *,

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 import server.trunk as trunk_module
+from server.app import build_trunk
 from server.sessions.split import (
     BatchingSplitSession,
     SharedTrunk,
@@ -33,7 +34,7 @@ from splitlearn.dataplane import FrameError, Reason, Session, SessionGrant, Trun
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor, encode_tensor
 from splitlearn.split import bottom_state
-from tests.conftest import digits_like_model, fixed_batches
+from tests.conftest import digits_like_model, fixed_batches, small_config
 from tests.helpers import imports_in_a_fresh_process, max_param_diff
 
 CUT = 2
@@ -456,3 +457,54 @@ def test_take_books_returns_the_counts_since_the_last_take(fake_clock):
     again = trunk.take_books()
     assert (again["steps"], again["samples"], again["busy_s"]) == (0, 0, 0.0)
     assert again["stage_samples"] == [0] * model.num_stages
+
+
+# --- the activations' layout ---------------------------------------------------------
+
+
+def entering_layouts(trunk: Trunk, cut: int) -> list[bool]:
+    """Record, per forward, whether the first trunk stage got its input channels-last."""
+    seen: list[bool] = []
+    trunk.model.stages[cut].register_forward_pre_hook(
+        lambda _, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)
+                                    and not args[0].is_contiguous()))
+    return seen
+
+
+@pytest.mark.parametrize(("name", "cut"), [("cnn", 1), ("cnn", 4), ("resnet", 1)])
+def test_a_channels_last_trunk_takes_plain_sgds_steps_and_returns_a_standard_gradient(name, cut):
+    """The layout is the trunk's business: the same steps, and the gradient goes back NCHW."""
+    model = digits_like_model(name)
+    trunk = Trunk(copy.deepcopy(model), lr=LR, momentum=0.5, channels_last=True)
+    layouts = entering_layouts(trunk, cut)
+    reference = copy.deepcopy(model)  # plain PyTorch, standard layout, one step per batch
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.5)
+    for seed in range(3):
+        acts, labels = activations(model, seed, cut=cut)
+        leaf = acts.clone().requires_grad_(True)
+        with trunk.step(samples=len(acts), from_stage=cut) as backward:
+            backward(nn.functional.cross_entropy(trunk.run(leaf, cut), labels))
+        want, _ = reference_grad(reference, acts, labels, cut=cut)
+        optimizer.zero_grad()
+        out = acts
+        for stage in reference.stages[cut:]:
+            out = stage(out)
+        nn.functional.cross_entropy(out, labels).backward()
+        optimizer.step()
+        assert leaf.grad is not None and leaf.grad.is_contiguous()
+        torch.testing.assert_close(leaf.grad, want, rtol=1e-4, atol=1e-6)
+    # Only 4-D activations change layout (cut 4 sends the hidden layer's vectors).
+    assert layouts == [acts.dim() == 4] * 3
+    assert max_param_diff(trunk.model, reference) < 1e-5
+
+
+def test_the_layout_is_the_models_unless_the_config_says_and_a_fork_keeps_it():
+    cnn, lenet = digits_like_model("cnn"), digits_like_model("lenet5")
+    assert Trunk(copy.deepcopy(cnn), lr=LR).channels_last is cnn.channels_last is True
+    assert Trunk(copy.deepcopy(lenet), lr=LR).channels_last is lenet.channels_last is False
+    standard = Trunk(copy.deepcopy(cnn), lr=LR, channels_last=False)
+    assert standard.fork().channels_last is False
+    trunk, *_ = build_trunk(small_config("dataplane.channels_last=false"))
+    assert trunk.channels_last is False
+    trunk, *_ = build_trunk(small_config())
+    assert trunk.channels_last is trunk.model.channels_last
