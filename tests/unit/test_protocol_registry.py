@@ -7,12 +7,19 @@ from collections.abc import Iterator
 import pytest
 import yaml
 from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.server.superlink.linkstate import LinkStateFactory
+from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME
+from flwr.supercore.object_store import ObjectStoreFactory
+from flwr.superlink.federation import NoOpFederationManager
+from flwr.superlink.grid import InMemoryGrid
 from omegaconf import OmegaConf
 
 from protocols import PROTOCOLS, check_config, protocol_named
 from server.app import (
+    REPLY_POLL_S,
     SplitRuntime,
     build_trunk,
+    collect_replies_promptly,
     initial_arrays,
     make_strategy,
     start_runtime,
@@ -149,3 +156,15 @@ def test_activation_privacy_is_refused_for_fedavg_alone():
 @pytest.mark.parametrize("name", SHIPPED)
 def test_client_side_privacy_is_accepted_for_every_protocol(name):
     check_config(small_config(f"strategy={name}", "privacy=dpsgd_client", run_dir="unused"))
+
+
+def test_the_simulation_engines_grid_is_polled_promptly_and_other_grids_are_left_alone():
+    # The grid Flower's Simulation Engine gives the ServerApp, built as the engine builds it.
+    grid = InMemoryGrid(state_factory=LinkStateFactory(
+        FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory()))
+    assert grid.pull_interval > REPLY_POLL_S  # Flower's own
+    collect_replies_promptly(grid)
+    assert grid.pull_interval == REPLY_POLL_S
+    scripted = ScriptedGrid([1], answer=lambda message: None)
+    collect_replies_promptly(scripted)
+    assert not hasattr(scripted, "pull_interval")
