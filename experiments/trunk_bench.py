@@ -1,9 +1,9 @@
 """The trunk's step by activation layout: ``python -m experiments.bench trunk``.
 
 For each network at the cut its config names (``conf/model/NAME.yaml``), on the dataset
-it is meant for, one training step of the trunk as the data plane runs it:
-:meth:`server.trunk.Trunk.step` around :meth:`~server.trunk.Trunk.run` from the cut,
-cross-entropy on the batch, the gradient at the cut, the optimiser's step. Twice: with
+it is meant for, one training step of the trunk as the split session takes it
+(:func:`server.sessions.split.train_on_batch`: forward from the cut, cross-entropy, the
+gradient at the cut and its check, the optimiser's step). Twice: with
 the activations entering the trunk's stages in PyTorch's standard layout (NCHW) and
 channels-last (NHWC), in interleaved blocks after a warm-up step each, on one intra-op
 thread (the trunk's default, ``dataplane.trunk_threads``). The median milliseconds per
@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 from protocols import compose_config
+from server.sessions.split import train_on_batch
 from server.trunk import Trunk
 from splitlearn.config import to_object
 from splitlearn.models.factory import build_model_from_config
@@ -62,13 +62,6 @@ class TrunkStepTime:
         return self.standard_ms / self.channels_last_ms
 
 
-def trunk_step(trunk: Trunk, acts: torch.Tensor, labels: torch.Tensor, cut: int) -> None:
-    """One step as the split session takes it: forward from ``cut``, loss, backward, update."""
-    leaf = acts.detach().requires_grad_(True)
-    with trunk.step(samples=len(leaf), from_stage=cut) as backward:
-        backward(F.cross_entropy(trunk.run(leaf, cut), labels))
-
-
 def time_layouts(name: str, dataset: str, overrides: Sequence[str], *, steps: int,
                  blocks: int = 2) -> TrunkStepTime | str:
     """Median ms per trunk step of ``model=name`` in each layout, ``steps`` each.
@@ -94,10 +87,10 @@ def time_layouts(name: str, dataset: str, overrides: Sequence[str], *, steps: in
     for block in range(blocks):
         for layout, trunk in trunks.items():
             if block == 0:
-                trunk_step(trunk, acts, labels, cut)  # warm-up: oneDNN picks its kernels
+                train_on_batch(trunk, cut, acts, labels)  # warm-up: oneDNN picks its kernels
             for _ in range(per_block):
                 started = time.perf_counter()
-                trunk_step(trunk, acts, labels, cut)
+                train_on_batch(trunk, cut, acts, labels)
                 times[layout].append(time.perf_counter() - started)
     return TrunkStepTime(
         model=name, dataset=dataset, cut=cut, batch=batch,

@@ -477,24 +477,17 @@ def test_a_channels_last_trunk_takes_plain_sgds_steps_and_returns_a_standard_gra
     model = digits_like_model(name)
     trunk = Trunk(copy.deepcopy(model), lr=LR, momentum=0.5, channels_last=True)
     layouts = entering_layouts(trunk, cut)
-    reference = copy.deepcopy(model)  # plain PyTorch, standard layout, one step per batch
-    optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.5)
-    for seed in range(3):
-        acts, labels = activations(model, seed, cut=cut)
-        leaf = acts.clone().requires_grad_(True)
-        with trunk.step(samples=len(acts), from_stage=cut) as backward:
-            backward(nn.functional.cross_entropy(trunk.run(leaf, cut), labels))
-        want, _ = reference_grad(reference, acts, labels, cut=cut)
-        optimizer.zero_grad()
-        out = acts
-        for stage in reference.stages[cut:]:
-            out = stage(out)
-        nn.functional.cross_entropy(out, labels).backward()
-        optimizer.step()
-        assert leaf.grad is not None and leaf.grad.is_contiguous()
-        torch.testing.assert_close(leaf.grad, want, rtol=1e-4, atol=1e-6)
+    batches = [activations(model, seed, cut=cut) for seed in range(3)]
+    for step, (acts, labels) in enumerate(batches):
+        got = train_on_batch(trunk, cut, acts, labels).grad
+        # Plain PyTorch in the standard layout, as far as the trunk had come.
+        before, _ = reference_sgd(model, batches[:step], momentum=0.5, cut=cut)
+        want, _ = reference_grad(before, acts, labels, cut=cut)
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     # Only 4-D activations change layout (cut 4 sends the hidden layer's vectors).
-    assert layouts == [acts.dim() == 4] * 3
+    assert layouts == [acts.dim() == 4] * len(batches)
+    reference, _ = reference_sgd(model, batches, momentum=0.5, cut=cut)
     assert max_param_diff(trunk.model, reference) < 1e-5
 
 
