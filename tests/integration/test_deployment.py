@@ -349,7 +349,7 @@ def test_deployment_with_tls_node_auth_devices_that_vanish_and_a_serverapp_that_
     output, _ = second.communicate(timeout=400)
     assert second.returncode == 0, output[-3000:]
     # The SuperLink marks the killed run failed and the resumed one completed.
-    assert sorted(finished_runs(FLWR, env)) == ["finished:completed", "finished:failed"]
+    assert sorted(finished_runs(FLWR, env).values()) == ["finished:completed", "finished:failed"]
     rounds = recorded_rounds(run_dir)
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]  # none lost, none twice
     assert rounds[3]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.2

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -31,22 +32,45 @@ def pids_mentioning(text: str) -> list[int]:
     return pids
 
 
-def finished_runs(flwr: Path, env: dict[str, str], *, timeout_s: float = 180.0) -> list[str]:
+def finished_runs(flwr: Path, env: dict[str, str], *, timeout_s: float = 180.0,
+                  poll_s: float = 5.0) -> dict[int, str]:
     """Wait until every run the local SuperLink knows has finished; return their statuses.
 
     ``flwr run --stream`` returns when the log stream ends, which is not always when the
     run does (seen: exit 0 while the ServerApp was still in round 1), so the SuperLink's
-    own record of the run is what says it is over.
+    own record of the run is what says it is over. Each ``flwr ls`` costs ~1.4 s of CPU,
+    so polling every second would take half a core from the run it waits for.
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        listing = subprocess.run([str(flwr), "ls", "--format", "json"], cwd=ROOT, env=env,
-                                 capture_output=True, text=True, timeout=60)
-        statuses = [run["status"] for run in json.loads(listing.stdout).get("runs", [])]
-        if statuses and all(s.startswith("finished") for s in statuses):
+        statuses = {int(run["run-id"]): run["status"] for run in listed_runs(flwr, env)}
+        if statuses and all(s.startswith("finished") for s in statuses.values()):
             return statuses
         assert time.monotonic() < deadline, f"runs not finished after {timeout_s} s: {statuses}"
-        time.sleep(1.0)
+        time.sleep(poll_s)
+
+
+def listed_runs(flwr: Path, env: dict[str, str]) -> list[dict]:
+    """The runs the SuperLink knows, as ``flwr ls --format json`` lists them."""
+    listing = subprocess.run([str(flwr), "ls", "--format", "json"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=60)
+    return json.loads(listing.stdout).get("runs", [])
+
+
+def run_log(flwr: Path, env: dict[str, str], run_id: int) -> str:
+    """What the run logged, as the SuperLink keeps it (``flwr log RUN_ID --show``)."""
+    shown = subprocess.run([str(flwr), "log", str(run_id), "--show"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+    return shown.stdout + shown.stderr
+
+
+def what_the_run_said(flwr: Path, env: dict[str, str], run_id: int, run_dir: Path) -> str:
+    """A failed run's record and log at the SuperLink, and the tail of its own log."""
+    record = [r for r in listed_runs(flwr, env) if int(r["run-id"]) == run_id]
+    own = run_dir / "run.log"
+    return (f"{json.dumps(record, indent=1)}\n--- flwr log {run_id} ---\n"
+            f"{run_log(flwr, env, run_id)[-6000:]}\n--- {own} ---\n"
+            f"{own.read_text()[-3000:] if own.exists() else '(none)'}")
 
 
 @pytest.fixture
@@ -59,27 +83,32 @@ def flwr_home(tmp_path):
         os.kill(pid, signal.SIGTERM)
 
 
+#: Ray's raylet has a hard-coded 30 s to register, which a loaded 2-core machine can miss.
+#: ``experiments.run`` starts Ray itself with retries; under ``flwr run`` Flower's
+#: simulation process starts it, once, so a run that died of this is submitted again.
+RAY_START_TIMEOUT = "The current node timed out during startup"
+
+
 def test_flwr_run_trains_with_the_same_apps_and_trunk_workers(tmp_path, flwr_home):
     """The ServerApp as the SuperLink starts it, with its trunk sharded over two worker
     processes (the ServerApp's children), which stop with it."""
-    run_dir = tmp_path / "run"
     env = os.environ | {
         "FLWR_HOME": str(flwr_home),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "FLWR_TELEMETRY_ENABLED": "0",
     }
     flwr = Path(sys.executable).with_name("flwr")
-    # Without --stream: `flwr run` submits the run and returns; the SuperLink's record says
-    # when it is over (a log stream was seen to outlive its run by minutes under load).
-    overrides = "strategy.num_rounds=2 logger=none dataplane.trunk_workers=2"
-    proc = subprocess.run(
-        [str(flwr), "run", ".",
-         "--run-config", f'overrides="{overrides}" run-dir="{run_dir}"',
-         "--federation-config", "num-supernodes=3"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert finished_runs(flwr, env, timeout_s=300) == ["finished:completed"], proc.stdout[-3000:]
+    for attempt in (1, 2):
+        run_dir = tmp_path / f"run-{attempt}"
+        run_id = submit_run(flwr, env, run_dir)
+        status = finished_runs(flwr, env, timeout_s=300)[run_id]
+        if status == "finished:completed" or attempt == 2:
+            break
+        if RAY_START_TIMEOUT not in run_log(flwr, env, run_id):
+            break
+        warnings.warn(f"run {run_id}: Ray did not start ({RAY_START_TIMEOUT}); submitted again",
+                      stacklevel=1)
+    assert status == "finished:completed", what_the_run_said(flwr, env, run_id, run_dir)
     rounds = json.loads((run_dir / "metrics.json").read_text())
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert all(r["clients"] == 3 and r["failed_clients"] == 0 for r in rounds[1:])
@@ -92,3 +121,22 @@ def test_flwr_run_trains_with_the_same_apps_and_trunk_workers(tmp_path, flwr_hom
     assert found, log[-3000:]
     pids = [int(p) for p in found.group(1).split(", ")]
     assert len(pids) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+
+def submit_run(flwr: Path, env: dict[str, str], run_dir: Path) -> int:
+    """Submit 2 rounds of the default job on 3 simulated nodes; return the run's id.
+
+    Without ``--stream``: ``flwr run`` submits the run and returns; the SuperLink's record
+    says when it is over (a log stream was seen to outlive its run by minutes under load).
+    """
+    overrides = "strategy.num_rounds=2 logger=none dataplane.trunk_workers=2"
+    proc = subprocess.run(
+        [str(flwr), "run", ".",
+         "--run-config", f'overrides="{overrides}" run-dir="{run_dir}"',
+         "--federation-config", "num-supernodes=3"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    started = re.search(r"Successfully started run (\d+)", proc.stdout)
+    assert started, proc.stdout[-3000:]
+    return int(started.group(1))
