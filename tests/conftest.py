@@ -179,7 +179,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 #: Measured and left: the serial tests alone keep 0.7 of the 2 cores busy, yet beside the
 #: other integration tests (one run on three workers) they took 2-4 times as long and the
 #: whole no less time (701 s against 714 s), and the deployment test in the other phase cost
-#: that phase 123 s to save this one 118 s.
+#: that phase 123 s to save this one 118 s. The attack table (one process, ~75 s) in the
+#: deployment test's lane took 33 s off the other phase and added 39 s to this one.
 OWN_LANE = ("tests/integration/test_deployment.py",)
 
 
