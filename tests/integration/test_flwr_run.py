@@ -102,9 +102,8 @@ def test_flwr_run_trains_with_the_same_apps_and_trunk_workers(tmp_path, flwr_hom
         run_dir = tmp_path / f"run-{attempt}"
         run_id = submit_run(flwr, env, run_dir)
         status = finished_runs(flwr, env, timeout_s=300)[run_id]
-        if status == "finished:completed" or attempt == 2:
-            break
-        if RAY_START_TIMEOUT not in run_log(flwr, env, run_id):
+        if (status == "finished:completed" or attempt == 2
+                or RAY_START_TIMEOUT not in run_log(flwr, env, run_id)):
             break
         warnings.warn(f"run {run_id}: Ray did not start ({RAY_START_TIMEOUT}); submitted again",
                       stacklevel=1)

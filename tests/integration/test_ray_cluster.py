@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_deployment import free_port
-from tests.integration.test_flwr_run import pids_mentioning
+from tests.integration.test_flwr_run import RAY_START_TIMEOUT, pids_mentioning
 from tests.integration.test_simulation import read_clients, run_experiment
 
 RAY = Path(sys.executable).with_name("ray")
@@ -41,14 +41,10 @@ def stop_pids(pids: list[int], *, grace_s: float = 3.0) -> None:
             time.sleep(0.2)
 
 
-#: Ray's raylet has a hard-coded 30 s to register, which a loaded 2-core machine can miss
-#: (``ray start`` then fails with this); ``experiments.run`` retries its own Ray the same way.
-RAY_START_TIMEOUT = "The current node timed out during startup"
-
-
 @pytest.fixture
 def ray_head():
     """A Ray head on 127.0.0.1 with 2 CPUs; yields its address and temp folder."""
+    # ``ray start`` misses Ray's start-up window as a run does (RAY_START_TIMEOUT): once more.
     for attempt in (1, 2):
         # Ray's socket paths must stay short (AF_UNIX, 107 bytes): not under pytest's tmp_path.
         temp = Path(tempfile.mkdtemp(prefix="ray-head-", dir="/tmp"))
