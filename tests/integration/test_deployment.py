@@ -14,10 +14,8 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -25,12 +23,14 @@ import pytest
 import torch
 
 from clients.app import TRUNK_ROOTS_KEY, build_client_app
+from experiments.central import free_port
 from experiments.certificates import Certificates, make_certificates, make_node_key
 from experiments.local import LocalGrid
 from server.app import run_training, start_runtime, stop_runtime
 from tests.conftest import small_config
-from tests.integration.test_flwr_run import finished_runs, pids_mentioning
+from tests.integration.test_flwr_run import finished_runs
 from tests.integration.test_simulation import read_clients
+from tests.processes import pids_mentioning, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 FLWR = Path(sys.executable).with_name("flwr")
@@ -98,12 +98,6 @@ def test_node_config_declares_the_device_and_its_data_or_the_node_declines(tmp_p
 # --- the Deployment Engine ------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Processes:
     """Processes this test started, each in its own group (their children go with them)."""
 
@@ -140,13 +134,6 @@ class Processes:
 def flwr(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([str(FLWR), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
-
-
-def wait_for(condition, what: str, *, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not after {timeout_s} s"
-        time.sleep(0.5)
 
 
 def superlink_up(port: int, ca: Path) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -12,24 +13,15 @@ import time
 import warnings
 from pathlib import Path
 
+import httpx
 import pytest
 
+from experiments.central import free_port
+from tests.processes import pids_mentioning, wait_for
+
 ROOT = Path(__file__).resolve().parents[2]
+FLWR = Path(sys.executable).with_name("flwr")
 pytestmark = pytest.mark.serial
-
-
-def pids_mentioning(text: str) -> list[int]:
-    """PIDs whose command line mentions ``text`` (our own FLWR_HOME)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if text in cmdline:
-                pids.append(int(proc.name))
-    return pids
 
 
 def finished_runs(flwr: Path, env: dict[str, str], *, timeout_s: float = 180.0,
@@ -65,12 +57,14 @@ def run_log(flwr: Path, env: dict[str, str], run_id: int) -> str:
 
 
 def what_the_run_said(flwr: Path, env: dict[str, str], run_id: int, run_dir: Path) -> str:
-    """A failed run's record and log at the SuperLink, and the tail of its own log."""
+    """A failed run's record and log at the SuperLink, the tail of its own log and of the
+    SuperLink's."""
     record = [r for r in listed_runs(flwr, env) if int(r["run-id"]) == run_id]
     own = run_dir / "run.log"
     return (f"{json.dumps(record, indent=1)}\n--- flwr log {run_id} ---\n"
             f"{run_log(flwr, env, run_id)[-6000:]}\n--- {own} ---\n"
-            f"{own.read_text()[-3000:] if own.exists() else '(none)'}")
+            f"{own.read_text()[-3000:] if own.exists() else '(none)'}\n"
+            f"{tail(Path(env['FLWR_HOME']) / 'local-superlink')}")
 
 
 @pytest.fixture
@@ -78,9 +72,64 @@ def flwr_home(tmp_path):
     home = tmp_path / "flwr-home"
     home.mkdir()
     yield home
-    # `flwr run` leaves its local SuperLink running; stop the one we started.
+    # The SuperLink's detached children (the simulation and its ServerApp) name this folder.
     for pid in pids_mentioning(str(home)):
-        os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+
+@pytest.fixture
+def local_superlink(flwr_home):
+    """The SuperLink ``flwr run .`` starts for itself (``address = ":local:"``), started first.
+
+    ``flwr run`` gives the SuperLink it starts 15 s to answer, which a loaded 2-core CI host
+    missed. Started here with the same flags and files, on the port ``flwr run`` is told to
+    use, it is healthy when ``flwr run`` looks, and ``flwr run`` uses it as its own. A free
+    port keeps it apart from a local SuperLink the developer may run on Flower's default one.
+    Yields the environment for ``flwr`` commands.
+    """
+    port = free_port()
+    env = os.environ | {
+        "FLWR_HOME": str(flwr_home),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+    }
+    files = flwr_home / "local-superlink"  # the folder `flwr run` gives its own SuperLink
+    files.mkdir()
+    with open(files / "superlink.out", "w") as out:
+        superlink = subprocess.Popen(
+            [str(FLWR.with_name("flower-superlink")), "--insecure", "--simulation",
+             "--isolation", "subprocess", "--host", "127.0.0.1", "--port", str(port),
+             "--database", str(files / "state.db"), "--log-file", str(files / "superlink.log")],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def ready() -> bool:
+        code = superlink.poll()
+        assert code is None, f"flower-superlink exited ({code}):\n{tail(files)}"
+        return http_health(port)
+
+    try:
+        wait_for(ready, "local SuperLink", timeout_s=120)
+        yield env
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(superlink.pid, signal.SIGTERM)
+        superlink.wait(timeout=30)
+
+
+def tail(files: Path) -> str:
+    """The end of what the local SuperLink printed and logged."""
+    return "\n".join(f"--- {f} ---\n{f.read_text()[-3000:]}"
+                     for f in (files / "superlink.out", files / "superlink.log") if f.exists())
+
+
+def http_health(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).is_success
+    except httpx.HTTPError:
+        return False
 
 
 #: Ray's raylet has a hard-coded 30 s to register, which a loaded 2-core machine can miss.
@@ -89,15 +138,10 @@ def flwr_home(tmp_path):
 RAY_START_TIMEOUT = "The current node timed out during startup"
 
 
-def test_flwr_run_trains_with_the_same_apps_and_trunk_workers(tmp_path, flwr_home):
+def test_flwr_run_trains_with_the_same_apps_and_trunk_workers(tmp_path, local_superlink):
     """The ServerApp as the SuperLink starts it, with its trunk sharded over two worker
     processes (the ServerApp's children), which stop with it."""
-    env = os.environ | {
-        "FLWR_HOME": str(flwr_home),
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FLWR_TELEMETRY_ENABLED": "0",
-    }
-    flwr = Path(sys.executable).with_name("flwr")
+    env, flwr = local_superlink, FLWR
     for attempt in (1, 2):
         run_dir = tmp_path / f"run-{attempt}"
         run_id = submit_run(flwr, env, run_dir)

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_deployment import free_port
-from tests.integration.test_flwr_run import RAY_START_TIMEOUT, pids_mentioning
+from experiments.central import free_port
+from tests.integration.test_flwr_run import RAY_START_TIMEOUT
 from tests.integration.test_simulation import read_clients, run_experiment
+from tests.processes import pids_mentioning
 
 RAY = Path(sys.executable).with_name("ray")
 

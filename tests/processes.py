@@ -1,0 +1,33 @@
+"""Waiting on and finding the processes the integration tests start."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def wait_for(condition: Callable[[], bool], what: str, *, timeout_s: float = 60.0) -> None:
+    """Poll ``condition`` every half second; fail with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout_s} s"
+        time.sleep(0.5)
+
+
+def pids_mentioning(text: str) -> list[int]:
+    """PIDs whose command line mentions ``text`` (a test's own folder).
+
+    Flower detaches some of the processes it starts (the SuperLink's simulation and
+    ServerApp, SuperExec); naming the test's folder is how a test finds what it caused.
+    """
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in cmdline:
+                pids.append(int(proc.name))
+    return pids
