@@ -404,8 +404,12 @@ BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
               "trunk": bench_trunk_suite}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Parse the benchmark name and its Hydra overrides; run it."""
+def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Read the benchmark's name, its Hydra overrides and its options, in any order.
+
+    Intermixed: ``rounds --repeats 1 dataplane.trunk_workers=2`` reads the override
+    after an option too (plain ``parse_args`` refuses it as an unrecognised argument).
+    """
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides")
@@ -424,7 +428,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", help="trunk: only these networks")
     parser.add_argument("--no-relay", action="store_true",
                         help="netns: no latency relay (the veth's own RTT)")
-    args = parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse the benchmark name and its Hydra overrides; run it."""
+    args = parse_arguments(argv)
     if args.name == "planner":
         bench_planner_suite(args.overrides, seeds=args.seeds, target=args.target,
                             scenarios=args.scenarios, methods=args.methods)

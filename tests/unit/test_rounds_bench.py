@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from experiments.bench import parse_arguments
 from experiments.rounds_bench import PARTS, round_budget, round_walls, steady_median
 
 
@@ -49,3 +50,14 @@ def test_a_run_without_steady_rounds_cannot_be_budgeted() -> None:
         round_budget(history()[:2], [client(1)], parallel=1)
     with pytest.raises(ValueError, match="parallel"):
         round_budget(history(), [client(2)], parallel=0)
+
+
+@pytest.mark.parametrize("argv", [
+    ["rounds", "--repeats", "1", "dataplane.trunk_workers=2", "logger=none"],
+    ["rounds", "dataplane.trunk_workers=2", "--repeats", "1", "logger=none"],
+    ["rounds", "dataplane.trunk_workers=2", "logger=none", "--repeats", "1"],
+])
+def test_overrides_and_options_are_read_in_any_order(argv) -> None:
+    args = parse_arguments(argv)
+    assert (args.name, args.repeats) == ("rounds", 1)
+    assert args.overrides == ["dataplane.trunk_workers=2", "logger=none"]
