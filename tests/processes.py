@@ -1,10 +1,12 @@
-"""Waiting on and finding the processes the integration tests start."""
+"""Waiting on, finding and asking the processes the integration tests start."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import httpx
 
 
 def wait_for(condition: Callable[[], bool], what: str, *, timeout_s: float = 60.0) -> None:
@@ -31,3 +33,15 @@ def pids_mentioning(text: str) -> list[int]:
             if text in cmdline:
                 pids.append(int(proc.name))
     return pids
+
+
+def superlink_answers(port: int, *, ca: Path | None = None) -> bool:
+    """Whether a SuperLink on 127.0.0.1:``port`` answers ``/health``.
+
+    Over TLS verified against ``ca`` when one is given, plain HTTP (``--insecure``) otherwise.
+    """
+    url = f"{'https' if ca else 'http'}://127.0.0.1:{port}/health"
+    try:
+        return httpx.get(url, verify=str(ca) if ca else True, timeout=2).is_success
+    except httpx.HTTPError:
+        return False

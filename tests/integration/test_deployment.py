@@ -18,7 +18,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -30,7 +29,7 @@ from server.app import run_training, start_runtime, stop_runtime
 from tests.conftest import small_config
 from tests.integration.test_flwr_run import finished_runs
 from tests.integration.test_simulation import read_clients
-from tests.processes import pids_mentioning, wait_for
+from tests.processes import pids_mentioning, superlink_answers, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 FLWR = Path(sys.executable).with_name("flwr")
@@ -136,13 +135,6 @@ def flwr(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.Co
                           timeout=timeout)
 
 
-def superlink_up(port: int, ca: Path) -> bool:
-    try:  # verified against the test's CA: the SuperLink serves TLS
-        return httpx.get(f"https://127.0.0.1:{port}/health", verify=str(ca), timeout=2).is_success
-    except httpx.HTTPError:
-        return False
-
-
 def online_nodes(env: dict[str, str]) -> list[int]:
     listing = flwr("supernode", "ls", "--format", "json", env=env)
     if listing.returncode != 0:
@@ -171,7 +163,7 @@ def deployment(tmp_path):
             "--ssl-certfile", str(files.certificate), "--ssl-keyfile", str(files.key),
             "--enable-supernode-auth", "--host", "127.0.0.1", "--port", str(port),
             "--disable-runtime-dependency-installation"], env)
-        wait_for(lambda: superlink_up(port, files.ca), "SuperLink health over TLS")
+        wait_for(lambda: superlink_answers(port, ca=files.ca), "SuperLink health over TLS")
         yield files, env, port, processes
     finally:
         processes.stop_all()

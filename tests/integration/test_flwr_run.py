@@ -13,11 +13,10 @@ import time
 import warnings
 from pathlib import Path
 
-import httpx
 import pytest
 
 from experiments.central import free_port
-from tests.processes import pids_mentioning, wait_for
+from tests.processes import pids_mentioning, superlink_answers, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 FLWR = Path(sys.executable).with_name("flwr")
@@ -64,30 +63,22 @@ def what_the_run_said(flwr: Path, env: dict[str, str], run_id: int, run_dir: Pat
     return (f"{json.dumps(record, indent=1)}\n--- flwr log {run_id} ---\n"
             f"{run_log(flwr, env, run_id)[-6000:]}\n--- {own} ---\n"
             f"{own.read_text()[-3000:] if own.exists() else '(none)'}\n"
-            f"{tail(Path(env['FLWR_HOME']) / 'local-superlink')}")
+            f"{superlink_tail(Path(env['FLWR_HOME']) / 'local-superlink')}")
 
 
 @pytest.fixture
-def flwr_home(tmp_path):
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    yield home
-    # The SuperLink's detached children (the simulation and its ServerApp) name this folder.
-    for pid in pids_mentioning(str(home)):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-
-
-@pytest.fixture
-def local_superlink(flwr_home):
+def local_superlink(tmp_path):
     """The SuperLink ``flwr run .`` starts for itself (``address = ":local:"``), started first.
 
     ``flwr run`` gives the SuperLink it starts 15 s to answer, which a loaded 2-core CI host
     missed. Started here with the same flags and files, on the port ``flwr run`` is told to
     use, it is healthy when ``flwr run`` looks, and ``flwr run`` uses it as its own. A free
     port keeps it apart from a local SuperLink the developer may run on Flower's default one.
-    Yields the environment for ``flwr`` commands.
+    Yields the environment for ``flwr`` commands. Stopping the SuperLink stops the rest:
+    its SuperExec (a session of its own) watches the SuperLink's PID, and the simulation
+    and its Ray processes are the SuperExec's.
     """
+    flwr_home = tmp_path / "flwr-home"
     port = free_port()
     env = os.environ | {
         "FLWR_HOME": str(flwr_home),
@@ -97,7 +88,7 @@ def local_superlink(flwr_home):
         "FLWR_TELEMETRY_ENABLED": "0",
     }
     files = flwr_home / "local-superlink"  # the folder `flwr run` gives its own SuperLink
-    files.mkdir()
+    files.mkdir(parents=True)
     with open(files / "superlink.out", "w") as out:
         superlink = subprocess.Popen(
             [str(FLWR.with_name("flower-superlink")), "--insecure", "--simulation",
@@ -107,8 +98,8 @@ def local_superlink(flwr_home):
 
     def ready() -> bool:
         code = superlink.poll()
-        assert code is None, f"flower-superlink exited ({code}):\n{tail(files)}"
-        return http_health(port)
+        assert code is None, f"flower-superlink exited ({code}):\n{superlink_tail(files)}"
+        return superlink_answers(port)
 
     try:
         wait_for(ready, "local SuperLink", timeout_s=120)
@@ -117,19 +108,24 @@ def local_superlink(flwr_home):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(superlink.pid, signal.SIGTERM)
         superlink.wait(timeout=30)
+        stop_stragglers(f"--runtime-api-address 127.0.0.1:{port} ")
 
 
-def tail(files: Path) -> str:
+def stop_stragglers(mark: str, *, grace_s: float = 30.0) -> None:
+    """Fail if a process naming ``mark`` outlives its SuperLink by ``grace_s``; kill it."""
+    try:
+        wait_for(lambda: not pids_mentioning(mark), f"processes naming {mark!r} to stop",
+                 timeout_s=grace_s)
+    finally:
+        for pid in pids_mentioning(mark):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def superlink_tail(files: Path) -> str:
     """The end of what the local SuperLink printed and logged."""
     return "\n".join(f"--- {f} ---\n{f.read_text()[-3000:]}"
                      for f in (files / "superlink.out", files / "superlink.log") if f.exists())
-
-
-def http_health(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).is_success
-    except httpx.HTTPError:
-        return False
 
 
 #: Ray's raylet has a hard-coded 30 s to register, which a loaded 2-core machine can miss.
