@@ -161,6 +161,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(
             f"privacy=activation_gaussian protects activations; strategy={protocol.name} sends none"
         )
+    check_error_feedback(config, protocol)
     check_privacy_source(config, model)
     check_client_runtime(config, protocol, model)
     check_device_privacy(config)
@@ -173,6 +174,29 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(
             f"strategy.min_train_nodes={config.strategy.min_train_nodes} exceeds "
             f"num_clients={config.num_clients}: no round could start"
+        )
+
+
+def check_error_feedback(config: Config, protocol: Protocol) -> None:
+    """Refuse ``dataplane.compression.error_feedback`` where it is not built or not private.
+
+    Error feedback keys its memory by each row's example id, which the device sends with
+    the batch: built for the split protocols (the trunk holds the loss and returns the
+    gradient of every row), and not with activation noise, whose accounting assumes the
+    trunk cannot tell which noised rows are the same example.
+    """
+    if not config.dataplane.compression.error_feedback:
+        return
+    if not issubclass(protocol.client, SplitStep):
+        raise ValueError(
+            "dataplane.compression.error_feedback=true is built for the split protocols "
+            f"(splitfed_v1, splitfed_v2, sglr, sequential), not strategy={protocol.name}"
+        )
+    if config.privacy.name == "activation_gaussian":
+        raise ValueError(
+            "dataplane.compression.error_feedback=true sends each row's example id, which "
+            "links an example's noised releases across epochs; not with "
+            "privacy=activation_gaussian"
         )
 
 

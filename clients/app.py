@@ -57,6 +57,7 @@ from splitlearn.config import RunSpec, decode_spec
 from splitlearn.data import client_dataset, describe_dataset, local_dataset
 from splitlearn.data.cache import cached_dataset
 from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
+from splitlearn.dataplane.feedback import UplinkFeedback
 from splitlearn.dataplane.node_keys import (
     NODE_KEY_QUERY,
     NODE_KEY_RECORD,
@@ -90,6 +91,8 @@ LABEL_SECRET_STATE_KEY = "label-secret"
 GRADIENT_ACCOUNTANT_STATE_KEY = "gradient-accountant"
 #: ``context.state`` key of this node's data-plane key pair (see splitlearn.dataplane.node_keys).
 NODE_KEY_STATE_KEY = "node-key"
+#: ``context.state`` key of the device's error-feedback references (kept across rounds).
+FEEDBACK_STATE_KEY = "error-feedback"
 
 
 class ChannelFactory(TypingProtocol):
@@ -200,6 +203,8 @@ class ClientRound:
         :func:`~clients.loop.epoch_loader`); otherwise it is repeatable from the task.
         """
         data = self.dataset()
+        if self.spec.compression.error_feedback:  # batches name their examples (by index)
+            data = TensorDataset(*data.tensors, torch.arange(len(data)))
         secret = PRIVACY_OPTIONS[self.spec.privacy.name].protects_activations
         return epoch_loader(
             data, self.spec, server_round=self.server_round, partition_id=self.partition_id,
@@ -346,6 +351,24 @@ def _label_secret(context: Context) -> int:
     return int(record["secret"])
 
 
+def _restore_feedback(context: Context, channel: TrunkChannel | None, spec: RunSpec) -> None:
+    """Give the channel the error-feedback references this device kept from earlier rounds."""
+    record = context.state.array_records.get(FEEDBACK_STATE_KEY)
+    if channel is None or channel.feedback is None or record is None:
+        return
+    channel.feedback = UplinkFeedback.from_state(
+        record_to_state(record), max_bytes=spec.compression.feedback_max_bytes)
+
+
+def _keep_feedback(context: Context, channel: TrunkChannel) -> None:
+    """Keep the channel's references for the next round.
+
+    Also after a failed round: the version tells the trunk whether they are still its own.
+    """
+    if channel.feedback is not None:
+        context.state[FEEDBACK_STATE_KEY] = state_to_record(channel.feedback.state())
+
+
 def _load_accountant(context: Context) -> PrivacyAccountant:
     """Return the node's accountant: from its ledger file if it keeps one, else its state."""
     ledger = context.node_config.get(LEDGER_KEY)
@@ -399,11 +422,14 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     if not plan.available:
         raise ClientUnavailable(f"device not reachable in round {rnd.server_round}")
     step = rnd.step(msg.content["arrays"])
+    loader = rnd.loader()
     memory = step.memory_bytes(spec.strategy.batch_size)
+    if spec.compression.uplink_feedback:  # a reference per example, held while training
+        memory += step.reference_bytes(len(loader.dataset))  # type: ignore[arg-type]
     plan.check_memory(memory, what=f"{rnd.protocol.name} at cut {rnd.cut}, batch "
                       f"{spec.strategy.batch_size}"
-                      + (" with checkpointing" if rnd.checkpoint else ""))
-    loader = rnd.loader()
+                      + (" with checkpointing" if rnd.checkpoint else "")
+                      + (" and error feedback" if spec.compression.uplink_feedback else ""))
     privacy = make_client_privacy(spec.privacy, loader)
     privacy.check_source(step.bottom)
     accountant = _load_accountant(context)
@@ -419,6 +445,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
             pacer.transfer(bytes_down=record_bytes(msg.content["arrays"]))
         channel = (open_channel(rnd.trunk_address, rnd.token, spec, proof=rnd.proof())
                    if step.needs_channel else None)
+        _restore_feedback(context, channel, spec)
         deadline = _deadline(rnd, plan, weights_bytes=record_bytes(msg.content["arrays"]),
                              batches=len(loader) * spec.strategy.local_epochs)
         try:
@@ -427,6 +454,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
                                  max_steps=rnd.max_steps, deadline=deadline)
         finally:
             if channel is not None:
+                _keep_feedback(context, channel)
                 channel.close()
     finally:
         privacy.close()

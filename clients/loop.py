@@ -125,7 +125,7 @@ class _Traffic:
 
 
 def _capped(privacy: ClientPrivacy, *, epochs: int, max_steps: int | None
-            ) -> Iterator[tuple[Tensor, Tensor]]:
+            ) -> Iterator[tuple[Tensor, ...]]:
     """Yield ``epochs`` passes of the privacy option's batches, stopping after ``max_steps``."""
     batches = itertools.chain.from_iterable(privacy.batches() for _ in range(epochs))
     return itertools.islice(batches, max_steps)
@@ -171,7 +171,7 @@ def train_round(
     step.release = privacy.release
     step.trained().train()
     traffic, tally = _Traffic(step, channel), RoundTally()
-    for inputs, labels in _capped(privacy, epochs=epochs, max_steps=max_steps):
+    for inputs, labels, *ids in _capped(privacy, epochs=epochs, max_steps=max_steps):
         if deadline is not None and deadline.reached(tally.steps):
             break
         if len(labels) == 0:  # DP-SGD: a noise-only step hides that the batch was empty
@@ -184,6 +184,7 @@ def train_round(
             continue
         started, waited = time.perf_counter(), traffic.wait_s
         up, down = traffic.up, traffic.down
+        step.batch_ids = ids[0] if ids else None  # the data's third tensor, when it has one
         loss, correct = step.train_batch(inputs, labels, channel, optimizer)
         wall = time.perf_counter() - started
         compute = wall - (traffic.wait_s - waited)
@@ -215,7 +216,7 @@ def evaluate_round(
     step.trained().eval()
     examples = correct = 0
     loss_sum = 0.0
-    for inputs, labels in loader:
+    for inputs, labels, *_ in loader:  # a third tensor, the examples' ids, is not needed
         loss, hits = step.evaluate_batch(inputs, labels, channel)
         examples += len(labels)
         correct += hits

@@ -39,8 +39,9 @@
 
 ``compression``
     Bytes moved per training sample against final accuracy for every
-    compression method at the cut, on the SmallCNN and the ResNet-style network
-    (``--seeds``); see :mod:`experiments.compression_bench`.
+    compression method at the cut, and top-k with error feedback, on the SmallCNN
+    and the ResNet-style network (``--seeds``; ``--methods none topk ...`` for some
+    only); see :mod:`experiments.compression_bench`.
 
 ``planner``
     Virtual time to a target accuracy for every uniform cut and for the greedy,
@@ -89,6 +90,9 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 import torch  # noqa: E402
 
 from protocols import compose_config  # noqa: E402
+
+#: The planners ``planner --methods`` may pick (the uniform cuts always run).
+PLANNER_METHODS = ("greedy", "dynsl", "smartsplit", "smartsplit-random")
 
 
 def bench_overhead_suite(overrides: Sequence[str], *, clients: Sequence[int],
@@ -349,11 +353,12 @@ def bench_rounds_suite(overrides: Sequence[str], *, repeats: int = 3) -> None:
     bench_rounds(overrides, repeats=repeats)
 
 
-def bench_compression_suite(overrides: Sequence[str], *, seeds: int = 3) -> None:
+def bench_compression_suite(overrides: Sequence[str], *, seeds: int = 3,
+                            methods: Sequence[str] | None = None) -> None:
     """Bytes saved vs accuracy lost per method (:mod:`experiments.compression_bench`)."""
-    from experiments.compression_bench import bench_compression
+    from experiments.compression_bench import OPTIONS, bench_compression
 
-    bench_compression(overrides, seeds=seeds)
+    bench_compression(overrides, seeds=seeds, methods=methods or OPTIONS)
 
 
 def bench_latency_suite(overrides: Sequence[str]) -> None:
@@ -423,12 +428,27 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scenarios", nargs="+", choices=("heterogeneous", "dynamic"),
                         help="planner: only these scenarios")
     parser.add_argument("--methods", nargs="+",
-                        choices=("greedy", "dynsl", "smartsplit", "smartsplit-random"),
-                        help="planner: only these planners (the uniform cuts always run)")
+                        help="planner: only these planners (the uniform cuts always run: "
+                        f"{', '.join(PLANNER_METHODS)}); compression: only these options "
+                        "(none among them)")
     parser.add_argument("--models", nargs="+", help="trunk: only these networks")
     parser.add_argument("--no-relay", action="store_true",
                         help="netns: no latency relay (the veth's own RTT)")
-    return parser.parse_intermixed_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    accepted = {"planner": PLANNER_METHODS, "compression": compression_options()}
+    if args.methods and args.name in accepted:
+        unknown = sorted(set(args.methods) - set(accepted[args.name]))
+        if unknown:
+            parser.error(f"--methods {' '.join(unknown)}: {args.name} accepts "
+                         f"{', '.join(accepted[args.name])}")
+    return args
+
+
+def compression_options() -> tuple[str, ...]:
+    """Return the compression benchmark's options (imported only when asked for)."""
+    from experiments.compression_bench import OPTIONS
+
+    return OPTIONS
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -438,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         bench_planner_suite(args.overrides, seeds=args.seeds, target=args.target,
                             scenarios=args.scenarios, methods=args.methods)
     elif args.name == "compression":
-        bench_compression_suite(args.overrides, seeds=args.seeds)
+        bench_compression_suite(args.overrides, seeds=args.seeds, methods=args.methods)
     elif args.name == "overhead":
         bench_overhead_suite(args.overrides, clients=args.clients or [1, 4, 16],
                              workers=args.workers)

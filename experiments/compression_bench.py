@@ -4,8 +4,9 @@
 
 For each network (the default job's SmallCNN on digits at cut 1, and the
 ResNet-style network on digits resized to 16x16 at cut 1) and seed, SplitFed v2
-is trained once per method of :data:`splitlearn.config.COMPRESSION_METHODS`,
-both directions compressed (``compression=METHOD``), through the shipped
+is trained once per option of :data:`OPTIONS` (each method of
+:data:`splitlearn.config.COMPRESSION_METHODS`, and top-k with per-example error
+feedback), both directions compressed (``compression=OPTION``), through the shipped
 strategy, ClientApp and trunk in this process (:func:`experiments.local.run_local`,
 one client at a time, so that two runs differ only by their encoding). Per run:
 bytes per training sample (data plane and weights, up and down, every round) and the final
@@ -31,6 +32,8 @@ import torch
 from protocols import compose_config
 from splitlearn.config import COMPRESSION_METHODS
 
+#: The ``compression=`` options compared: every method, and top-k with error feedback.
+OPTIONS = (*COMPRESSION_METHODS, "topk_feedback")
 #: The networks compared: (label, overrides).
 NETWORKS = (
     ("digits SmallCNN", ("model=cnn",)),
@@ -95,6 +98,7 @@ def plot(summary: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fig, axes = plt.subplots(1, len(summary), figsize=(5.5 * len(summary), 4), squeeze=False)
     for ax, (network, row) in zip(axes[0], summary.items(), strict=True):
@@ -105,6 +109,10 @@ def plot(summary: dict, path: Path) -> None:
                         xytext=(4, 4), textcoords="offset points")
         ax.axhline(0.5, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log")
+        # Plain numbers at 1, 2, 5, 10, ...: the default minor labels (3x10^0 ...) overlap.
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("KiB moved per training sample (data plane and weights, both ways)")
         ax.set_ylabel("accuracy lost vs uncompressed (points)")
         ax.set_title(network)
@@ -114,19 +122,24 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def bench_compression(overrides: Sequence[str], *, seeds: int = 3, max_drop: float = 0.5,
-                      out_dir: Path | None = None) -> dict:
-    """Run every method on every network and seed; print and return the summary."""
+                      out_dir: Path | None = None, methods: Sequence[str] = OPTIONS) -> dict:
+    """Run every option (``methods``) on every network and seed; print and return the summary.
+
+    ``methods`` must include ``none``, the baseline of every reduction and drop.
+    """
+    if "none" not in methods:
+        raise ValueError(f"--methods {' '.join(methods)}: include none, the baseline")
     out_dir = out_dir or Path("outputs/bench") / time.strftime("compression-%Y-%m-%d-%H-%M-%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"{seeds} seeds; results in {out_dir}", flush=True)
     runs: list[CompressionRun] = []
     for network, extra in NETWORKS:
         for seed in range(seeds):
-            for method in COMPRESSION_METHODS:
+            for method in methods:
                 started = time.perf_counter()
                 run = run_one(network, [*extra, *overrides], method, seed)
                 runs.append(run)
-                print(f"{network} seed {seed} {method:>8}: {run.bytes_per_sample / 1024:8.2f} KiB "
+                print(f"{network} seed {seed} {method:>13}: {run.bytes_per_sample / 1024:8.2f} KiB "
                       f"per sample, accuracy {run.final_accuracy:.4f} "
                       f"({time.perf_counter() - started:.0f} s)", flush=True)
                 write_rows(runs, out_dir / "compression.csv")
@@ -135,7 +148,7 @@ def bench_compression(overrides: Sequence[str], *, seeds: int = 3, max_drop: flo
     plot(summary, out_dir / "compression.png")
     for network, row in summary.items():
         for method, m in row["methods"].items():
-            print(f"{network:>20} {method:>8}: {m['bytes_per_sample'] / 1024:8.2f} KiB/sample "
+            print(f"{network:>20} {method:>13}: {m['bytes_per_sample'] / 1024:8.2f} KiB/sample "
                   f"({m['reduction']:5.2f}x fewer), accuracy {m['accuracy']:.4f} "
                   f"({m['drop_points']:+.2f} points lost)")
     last = {network: {"method": row["best_within_drop"], "reduction": row["best_reduction"],

@@ -107,6 +107,10 @@ class CompressionConfig:
     uplink: str = "none"  # what devices send: smashed data (U-shaped: also d loss / d features)
     downlink: str = "none"  # what the trunk sends: the gradient at the cut (U-shaped: features)
     topk_fraction: float = 0.1  # topk: the share of each row's entries kept
+    # Make up what compression drops on the example's next visit (split protocols; the
+    # device sends each row's example id): see splitlearn/dataplane/feedback.py.
+    error_feedback: bool = False
+    feedback_max_mib: float = 256.0  # per session, each direction: the per-example rows' bound
 
     def __post_init__(self) -> None:
         for key in ("uplink", "downlink"):
@@ -116,6 +120,27 @@ class CompressionConfig:
         if not 0.0 < self.topk_fraction <= 1.0:
             raise ValueError("dataplane.compression.topk_fraction must be in (0, 1], got "
                              f"{self.topk_fraction}")
+        if self.error_feedback and self.uplink == self.downlink == "none":
+            raise ValueError("dataplane.compression.error_feedback=true needs a lossy uplink or "
+                             "downlink (both are none: nothing is dropped to feed back)")
+        if not self.feedback_max_mib > 0:
+            raise ValueError("dataplane.compression.feedback_max_mib must be > 0, got "
+                             f"{self.feedback_max_mib}")
+
+    @property
+    def uplink_feedback(self) -> bool:
+        """Whether activations travel as differences from per-example references."""
+        return self.error_feedback and self.uplink != "none"
+
+    @property
+    def downlink_feedback(self) -> bool:
+        """Whether the trunk feeds back what compression dropped from each example's gradient."""
+        return self.error_feedback and self.downlink != "none"
+
+    @property
+    def feedback_max_bytes(self) -> int:
+        """:attr:`feedback_max_mib` in bytes."""
+        return int(self.feedback_max_mib * 2**20)
 
 
 @dataclass

@@ -86,6 +86,9 @@ class ClientStep:
         self._meter: MemoryMeter | None = None
         #: What the device sends instead of raw activations (privacy sets it).
         self.release: Callable[[Tensor], Tensor] = _as_is
+        #: The examples of the batch being trained, by index in the device's data (the loop
+        #: sets them when the data carries them: with error feedback); else None.
+        self.batch_ids: Tensor | None = None
         #: Bytes this round moved outside the data plane (e.g. in the Flower reply).
         self.extra_bytes_up = 0
         self.extra_bytes_down = 0
@@ -119,6 +122,10 @@ class ClientStep:
             self.model, self.cut, batch_size=batch_size, checkpoint=self.checkpoint,
             frees_output=self.frees_sent_output,
         )
+
+    def reference_bytes(self, examples: int) -> int:
+        """Bytes of the float32 reference per example that uplink error feedback keeps."""
+        return 4 * examples * torch.Size(self.model.cut_shape(self.cut)).numel()
 
     def train_batch(
         self, inputs: Tensor, labels: Tensor, channel: TrunkChannel | None,

@@ -145,7 +145,7 @@ class ExecuTorchSplitStep(SplitStep):
         """Run the program's forward, exchange, run its backward and step ExecuTorch's SGD."""
         assert channel is not None
         activations = self.device.activations(inputs)
-        grad, loss, correct = channel.forward(activations, labels)
+        grad, loss, correct = channel.forward(activations, labels, example_ids=self.batch_ids)
         self.device.train(inputs, grad)
         return loss, correct
 

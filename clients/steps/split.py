@@ -28,7 +28,8 @@ class SplitStep(ClientStep):
         """Forward, exchange, backward from the cut gradient, step."""
         assert channel is not None
         activations = self.release(self.run_stages(self.bottom, inputs))
-        grad, loss, correct = channel.forward(activations.detach(), labels)
+        grad, loss, correct = channel.forward(activations.detach(), labels,
+                                              example_ids=self.batch_ids)
         optimizer.zero_grad(set_to_none=True)
         weight = self.spec.privacy.nopeek_weight
         if weight:  # NoPeek: also decorrelate what was sent from the inputs

@@ -46,15 +46,20 @@ from splitlearn.dataplane.codec import (
     AnyRequest,
     FrameError,
     Reason,
+    TensorMessage,
     build,
     check_activations,
+    check_example_ids,
+    check_finite,
     check_labels,
+    decode_tensor,
     encoder,
     magnitude,
     present,
     reply,
 )
 from splitlearn.dataplane.endpoint import Session
+from splitlearn.dataplane.feedback import FeedbackBook, FeedbackFull, StaleFeedback
 
 
 class SharedTrunk:
@@ -221,6 +226,12 @@ class SplitSession:
         self.pool = pool
         self.limits = limits
         self._encode = encoder(limits.compression, "downlink")  # the gradient at the cut
+        compression = limits.compression
+        #: Every client's per-example error feedback, kept across rounds (None: not used).
+        self.feedback = (FeedbackBook(uplink=compression.uplink_feedback,
+                                      downlink=compression.downlink_feedback,
+                                      max_bytes=compression.feedback_max_bytes)
+                         if compression.error_feedback else None)
 
     def handle(self, session: Session, request: AnyRequest) -> AnyReply:
         """Validate the batch against the client's cut, then train or evaluate."""
@@ -231,23 +242,68 @@ class SplitSession:
             )
         cut = session.grant.cut
         trunk = self.pool.trunk_for(session.grant.client)
-        acts, labels = checked_batch(getattr(request, kind), trunk=trunk, cut=cut,
-                                     limits=self.limits)
+        part = getattr(request, kind)
+        acts, labels = checked_batch(part, trunk=trunk, cut=cut, limits=self.limits)
         if kind == "evaluate":
             return build(pb.Reply, metrics=evaluate_batch(trunk, cut, acts, labels))
+        ids = self._example_ids(part, len(acts))
+        if ids is not None:
+            return self._train_with_feedback(session, trunk, acts, labels, ids,
+                                             int(part.feedback_version))
         result = self.train(session, trunk, acts, labels)
-        return reply("gradient", grad=self._encode(result.grad),
-                     loss=float(result.losses.mean()), correct=int(result.hits.sum()))
+        return self._gradient(result, self._encode(result.grad))
 
     def train(self, session: Session, trunk: Trunk, acts: Tensor, labels: Tensor) -> StepResult:
         """Step ``trunk`` on one batch (the hook a batching protocol overrides)."""
         return train_on_batch(trunk, session.grant.cut, acts, labels)
 
+    def _example_ids(self, part: pb.Forward, batch: int) -> Tensor | None:
+        """Return the batch's example ids under error feedback, else None (refusing any sent)."""
+        sent: TensorMessage | None = present(part, "example_ids")
+        if self.feedback is None:
+            if sent is not None:
+                raise FrameError(Reason.BAD_TENSOR, "example_ids sent, but this trunk runs "
+                                 "without error feedback (dataplane.compression.error_feedback)")
+            return None
+        return check_example_ids(sent, batch=batch, max_bytes=self.limits.max_frame_bytes)
+
+    def _train_with_feedback(self, session: Session, trunk: Trunk, acts: Tensor, labels: Tensor,
+                             ids: Tensor, version: int) -> AnyReply:
+        """Train on reference + the sent difference; feed back what the gradient's frame drops."""
+        assert self.feedback is not None
+        client = session.grant.client
+        try:  # checked and made room for first: a refusal leaves trunk and memory as they were
+            memory = self.feedback.prepare(client, ids, tuple(acts.shape[1:]), version=version)
+        except StaleFeedback as err:
+            raise FrameError(Reason.STALE_FEEDBACK, str(err)) from None
+        except FeedbackFull as err:
+            raise FrameError(Reason.TOO_LARGE, f"error feedback: {err}") from None
+        if memory.uplink is not None:
+            acts = memory.uplink.reconstruct(ids, acts)
+            check_finite(acts, name="activations", max_abs=self.limits.max_abs_value)
+        result = self.train(session, trunk, acts, labels)
+        if memory.uplink is not None:
+            memory.uplink.commit(ids, acts)
+        frame = (self._encode(result.grad) if memory.downlink is None
+                 else memory.downlink.compress(ids, result.grad, self._round_trip))
+        self.feedback.keep(client, memory)
+        return self._gradient(result, frame)
+
+    def _round_trip(self, grad: Tensor) -> tuple[object, Tensor]:
+        """Encode the gradient; return its frame and what the client will decode from it."""
+        frame = self._encode(grad)
+        return frame, decode_tensor(frame, name="grad", max_bytes=self.limits.max_frame_bytes)
+
+    @staticmethod
+    def _gradient(result: StepResult, frame: object) -> AnyReply:
+        return reply("gradient", grad=frame, loss=float(result.losses.mean()),
+                     correct=int(result.hits.sum()))
+
     def attach(self, session: Session) -> None:
         """Nothing kept per stream."""
 
     def detach(self, session: Session) -> None:
-        """Nothing kept per stream."""
+        """Nothing kept per stream (error feedback is kept per client, across rounds)."""
 
     def finish_round(self, finished: Iterable[str]) -> None:
         """Settle what the pool keeps per client (SplitFed v1)."""
@@ -301,11 +357,13 @@ class BatchingSplitSession(SplitSession):
 
     def attach(self, session: Session) -> None:
         """One more session joins the barrier."""
+        super().attach(session)
         with self._cond:
             self.attached += 1
 
     def detach(self, session: Session) -> None:
         """One session leaves; those waiting for it go ahead."""
+        super().detach(session)
         with self._cond:
             self.attached -= 1
             if self._pending and len(self._pending) >= self.attached:

@@ -24,6 +24,7 @@ from splitlearn.config import CompressionConfig
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor, encode_tensor, encoder, request
 from splitlearn.dataplane.endpoint import SessionRefused, TrunkEndpoint
+from splitlearn.dataplane.feedback import FeedbackFull, UplinkFeedback
 from splitlearn.dataplane.frames import Frame, read
 from splitlearn.dataplane.node_keys import PROOF_METADATA_KEY
 from splitlearn.dataplane.service import EXCHANGE_METHOD, TOKEN_METADATA_KEY
@@ -38,10 +39,18 @@ _END = object()
 
 
 class TrunkRejected(RuntimeError):
-    """The trunk refused a request or the session ended; the message says why."""
+    """The trunk refused a request or the session ended; the message says why.
+
+    ``reason`` is the refusal's reason name (``"OUT_OF_RANGE"``, ...) when the trunk
+    answered with a ``Refusal``; None when the session ended otherwise.
+    """
 
     #: Reply status of a client whose round the trunk refused.
     kind = "refused"
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class Transport(Protocol):
@@ -240,6 +249,10 @@ class TrunkChannel:
         One-way requests (``smashed``) in flight before :meth:`send_smashed` waits.
     compression : CompressionConfig | None
         Its ``uplink`` method encodes the floats this device sends (None: as computed).
+        With ``error_feedback``, training batches name their examples and, for a lossy
+        uplink, travel as differences from per-example references
+        (:mod:`~splitlearn.dataplane.feedback`): :attr:`feedback`, which a device keeps
+        between rounds.
     """
 
     def __init__(
@@ -254,8 +267,14 @@ class TrunkChannel:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.transport = transport
+        compression = compression or CompressionConfig()
         # The floats this device sends (activations; U-shaped: also the head's gradient).
-        self._encode = encoder(compression or CompressionConfig(), "uplink")
+        self._encode = encoder(compression, "uplink")
+        self.error_feedback = compression.error_feedback
+        self._feedback_max_bytes = compression.feedback_max_bytes
+        #: The device's per-example references (lossy uplink with error feedback), or None.
+        self.feedback = (UplinkFeedback(max_bytes=self._feedback_max_bytes)
+                         if compression.uplink_feedback else None)
         self.reply_timeout_s = reply_timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.window = window
@@ -276,8 +295,8 @@ class TrunkChannel:
         self._seq += 1
         return self._seq
 
-    def _send(self, kind: str, **tensors: Frame) -> None:
-        data = request(self.next_seq(), kind, **tensors).SerializeToString()
+    def _send(self, kind: str, **fields: Frame | int) -> None:
+        data = request(self.next_seq(), kind, **fields).SerializeToString()
         started = time.perf_counter()
         self.transport.send(data)
         self.wait_s += time.perf_counter() - started
@@ -295,14 +314,14 @@ class TrunkChannel:
         kind = reply.WhichOneof("kind")
         if kind == "refusal":
             name = pb.Refusal.Reason.Name(reply.refusal.reason)
-            raise TrunkRejected(f"{name}: {reply.refusal.detail}")
+            raise TrunkRejected(f"{name}: {reply.refusal.detail}", reason=name)
         if kind != expect:
             raise TrunkRejected(f"unexpected reply {kind!r}; expected {expect!r}")
         return reply
 
-    def _call(self, expect: str, kind: str, **tensors: Frame) -> Frame | pb.Reply:
+    def _call(self, expect: str, kind: str, **fields: Frame | int) -> Frame | pb.Reply:
         self.flush()  # replies come in order: collect the acks of earlier one-way frames
-        self._send(kind, **tensors)
+        self._send(kind, **fields)
         return self._receive(expect)
 
     def _tensor(self, msg: Frame | pb.Tensor, name: str) -> torch.Tensor:
@@ -314,13 +333,62 @@ class TrunkChannel:
     # --- split: the trunk holds the loss -------------------------------------------
 
     def forward(
-        self, activations: torch.Tensor, labels: torch.Tensor
+        self, activations: torch.Tensor, labels: torch.Tensor, *,
+        example_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, float, int]:
-        """Train on one batch; return the gradient at the cut, the mean loss and hits."""
-        reply = self._call("gradient", "forward", activations=self._encode(activations),
-                           labels=encode_tensor(labels))
+        """Train on one batch; return the gradient at the cut, the mean loss and hits.
+
+        With error feedback, ``example_ids`` (each row's index in the device's data,
+        distinct) are required.
+        """
+        if not self.error_feedback:
+            reply = self._call("gradient", "forward", activations=self._encode(activations),
+                               labels=encode_tensor(labels))
+        else:
+            reply = self._forward_with_feedback(activations, labels, example_ids)
         grad = self._tensor(reply.gradient.grad, "grad")
         return grad, reply.gradient.loss, int(reply.gradient.correct)
+
+    def _forward_with_feedback(self, activations: torch.Tensor, labels: torch.Tensor,
+                               ids: torch.Tensor | None) -> Frame | pb.Reply:
+        """Send the batch's ids, and for a lossy uplink each row's difference from its reference.
+
+        A batch the trunk finds stale (its references are not the device's: a round the
+        device did not finish, or a trunk that dropped them) is sent again from zero.
+        """
+        if ids is None:
+            raise ValueError("error feedback needs each training batch's example_ids")
+        ids = ids.detach().cpu().to(torch.int64)
+        if self.feedback is None:
+            return self._call("gradient", "forward", activations=self._encode(activations),
+                              labels=encode_tensor(labels), example_ids=encode_tensor(ids))
+        try:
+            return self._forward_difference(activations, labels, ids)
+        except TrunkRejected as err:
+            if err.reason != "STALE_FEEDBACK":
+                raise
+        self.feedback = UplinkFeedback(max_bytes=self._feedback_max_bytes)
+        return self._forward_difference(activations, labels, ids)
+
+    def _forward_difference(self, activations: torch.Tensor, labels: torch.Tensor,
+                            ids: torch.Tensor) -> Frame | pb.Reply:
+        feedback = self.feedback
+        assert feedback is not None
+        if not feedback.references.holds(tuple(activations.shape[1:])):  # another cut now
+            feedback = self.feedback = UplinkFeedback(max_bytes=self._feedback_max_bytes)
+        try:
+            feedback.references.admit(ids, tuple(activations.shape[1:]))
+        except FeedbackFull as err:
+            raise ValueError(f"error feedback: {err}") from None
+        frame = self._encode(feedback.difference(ids, activations.detach().float()))
+        # What the trunk will train on: it decodes these same bytes onto its same reference.
+        agreed = feedback.reconstruct(ids, decode_tensor(
+            frame, name="activations", max_bytes=self.max_frame_bytes).float())
+        reply = self._call("gradient", "forward", activations=frame,
+                           labels=encode_tensor(labels), example_ids=encode_tensor(ids),
+                           feedback_version=feedback.version)
+        feedback.commit(ids, agreed)  # the trunk took the batch: both references moved
+        return reply
 
     def evaluate(self, activations: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
         """Mean loss and hits of one batch, without an update."""

@@ -110,16 +110,17 @@ _REQUEST_PARTS = _parts(pb.Request)
 _REPLY_PARTS = _parts(pb.Reply)
 
 
-def request(seq: int, kind: str, **tensors: Frame) -> AnyRequest:
+def request(seq: int, kind: str, **fields: Frame | int) -> AnyRequest:
     """Build the request ``kind`` (``forward``, ...) carrying tensor frames (hot path).
 
-    The encoder made the tensors, so no field is checked again; use :func:`build`
-    for anything else. A small request is a generated message (see :func:`_small`).
+    The encoder made the tensors, so no field is checked again (nor the scalars: in
+    range for their fields); use :func:`build` for anything else. A small request is a
+    generated message (see :func:`_small`).
     """
-    if _small(tensors.values()):
-        return pb.Request(seq=seq, **{kind: _plain(tensors)})
+    if _small(v for v in fields.values() if isinstance(v, Frame)):
+        return pb.Request(seq=seq, **{kind: _plain(fields)})
     return Frame.unchecked(pb.Request, seq=seq,
-                           **{kind: Frame.unchecked(_REQUEST_PARTS[kind], **tensors)})
+                           **{kind: Frame.unchecked(_REQUEST_PARTS[kind], **fields)})
 
 
 def reply(kind: str, **fields: object) -> AnyReply:
@@ -446,6 +447,24 @@ def check_labels(
     if low < 0 or high >= num_classes:
         raise FrameError(Reason.OUT_OF_RANGE, f"labels outside [0, {num_classes})")
     return labels
+
+
+def check_example_ids(msg: TensorMessage | None, *, batch: int, max_bytes: int) -> torch.Tensor:
+    """Decode a batch's example ids: int64, one per row, distinct, none negative."""
+    if msg is None:
+        raise FrameError(Reason.BAD_TENSOR, "frame carries no example_ids (this trunk runs "
+                         "with error feedback: every training batch names its examples)")
+    ids = decode_tensor(msg, name="example_ids", max_bytes=max_bytes)
+    if ids.dtype != torch.int64 or tuple(ids.shape) != (batch,):
+        raise FrameError(
+            Reason.BAD_TENSOR, f"example_ids have dtype {ids.dtype} and shape "
+            f"{tuple(ids.shape)}; expected int64 of shape ({batch},)"
+        )
+    if batch and int(ids.min()) < 0:
+        raise FrameError(Reason.OUT_OF_RANGE, "example_ids must be >= 0")
+    if len(torch.unique(ids)) != batch:
+        raise FrameError(Reason.MALFORMED, "example_ids repeat an example within the batch")
+    return ids
 
 
 def check_gradient(

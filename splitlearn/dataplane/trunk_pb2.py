@@ -24,41 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n splitlearn/dataplane/trunk.proto\x12\x17splitlearn.dataplane.v1\"\x94\x01\n\x06Tensor\x12-\n\x05\x64type\x18\x01 \x01(\x0e\x32\x1e.splitlearn.dataplane.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\x12\x0f\n\x07row_nnz\x18\x05 \x01(\r\x12\x0f\n\x07indices\x18\x06 \x01(\x0c\x12\x0c\n\x04mask\x18\x07 \x01(\x0c\"p\n\x07\x46orward\x12\x34\n\x0b\x61\x63tivations\x18\x01 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\x12/\n\x06labels\x18\x02 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\"q\n\x08\x45valuate\x12\x34\n\x0b\x61\x63tivations\x18\x01 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\x12/\n\x06labels\x18\x02 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\"9\n\x08\x42\x61\x63kward\x12-\n\x04grad\x18\x01 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\"p\n\x07Smashed\x12\x34\n\x0b\x61\x63tivations\x18\x01 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\x12/\n\x06labels\x18\x02 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\"\xf6\x01\n\x07Request\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x33\n\x07\x66orward\x18\x02 \x01(\x0b\x32 .splitlearn.dataplane.v1.ForwardH\x00\x12\x35\n\x08\x65valuate\x18\x03 \x01(\x0b\x32!.splitlearn.dataplane.v1.EvaluateH\x00\x12\x35\n\x08\x62\x61\x63kward\x18\x04 \x01(\x0b\x32!.splitlearn.dataplane.v1.BackwardH\x00\x12\x33\n\x07smashed\x18\x05 \x01(\x0b\x32 .splitlearn.dataplane.v1.SmashedH\x00\x42\x06\n\x04kind\"X\n\x08Gradient\x12-\n\x04grad\x18\x01 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0f\n\x07\x63orrect\x18\x03 \x01(\x04\"(\n\x07Metrics\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x0f\n\x07\x63orrect\x18\x02 \x01(\x04\"W\n\x08\x46\x65\x61tures\x12\x31\n\x08\x66\x65\x61tures\x18\x01 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\x12\x18\n\x10replaced_pending\x18\x02 \x01(\x08\"\x15\n\x03\x41\x63k\x12\x0e\n\x06queued\x18\x01 \x01(\x04\"\xc1\x02\n\x07Refusal\x12\x37\n\x06reason\x18\x01 \x01(\x0e\x32\'.splitlearn.dataplane.v1.Refusal.Reason\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\xec\x01\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\r\n\tMALFORMED\x10\x01\x12\r\n\tTOO_LARGE\x10\x02\x12\x12\n\x0eTOKEN_REJECTED\x10\x03\x12\x13\n\x0fUNEXPECTED_KIND\x10\x04\x12\x0e\n\nBAD_TENSOR\x10\x05\x12\x0e\n\nNOT_FINITE\x10\x06\x12\x10\n\x0cOUT_OF_RANGE\x10\x07\x12\x0c\n\x08REPLAYED\x10\x08\x12\x16\n\x12NO_PENDING_FORWARD\x10\t\x12\x13\n\x0fSTEP_NOT_FINITE\x10\n\x12\x08\n\x04\x42USY\x10\x0b\x12\x0c\n\x08INTERNAL\x10\x0c\"\xa1\x02\n\x05Reply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x35\n\x08gradient\x18\x02 \x01(\x0b\x32!.splitlearn.dataplane.v1.GradientH\x00\x12\x33\n\x07metrics\x18\x03 \x01(\x0b\x32 .splitlearn.dataplane.v1.MetricsH\x00\x12\x35\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32!.splitlearn.dataplane.v1.FeaturesH\x00\x12+\n\x03\x61\x63k\x18\x05 \x01(\x0b\x32\x1c.splitlearn.dataplane.v1.AckH\x00\x12\x33\n\x07refusal\x18\x06 \x01(\x0b\x32 .splitlearn.dataplane.v1.RefusalH\x00\x42\x06\n\x04kind*[\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\x08\n\x04INT8\x10\x05\x32Y\n\x05Trunk\x12P\n\x08\x45xchange\x12 .splitlearn.dataplane.v1.Request\x1a\x1e.splitlearn.dataplane.v1.Reply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n splitlearn/dataplane/trunk.proto\x12\x17splitlearn.dataplane.v1\"\x94\x01\n\x06Tensor\x12-\n\x05\x64type\x18\x01 \x01(\x0e\x32\x1e.splitlearn.dataplane.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\x12\x0f\n\x07row_nnz\x18\x05 \x01(\r\x12\x0f\n\x07indices\x18\x06 \x01(\x0c\x12\x0c\n\x04mask\x18\x07 \x01(\x0c\"\xc0\x01\n\x07\x46orward\x12\x34\n\x0b\x61\x63tivations\x18\x01 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\x12/\n\x06labels\x18\x02 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\x12\x34\n\x0b\x65xample_ids\x18\x03 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\x12\x18\n\x10\x66\x65\x65\x64\x62\x61\x63k_version\x18\x04 \x01(\x04\"q\n\x08\x45valuate\x12\x34\n\x0b\x61\x63tivations\x18\x01 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\x12/\n\x06labels\x18\x02 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\"9\n\x08\x42\x61\x63kward\x12-\n\x04grad\x18\x01 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\"p\n\x07Smashed\x12\x34\n\x0b\x61\x63tivations\x18\x01 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\x12/\n\x06labels\x18\x02 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\"\xf6\x01\n\x07Request\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x33\n\x07\x66orward\x18\x02 \x01(\x0b\x32 .splitlearn.dataplane.v1.ForwardH\x00\x12\x35\n\x08\x65valuate\x18\x03 \x01(\x0b\x32!.splitlearn.dataplane.v1.EvaluateH\x00\x12\x35\n\x08\x62\x61\x63kward\x18\x04 \x01(\x0b\x32!.splitlearn.dataplane.v1.BackwardH\x00\x12\x33\n\x07smashed\x18\x05 \x01(\x0b\x32 .splitlearn.dataplane.v1.SmashedH\x00\x42\x06\n\x04kind\"X\n\x08Gradient\x12-\n\x04grad\x18\x01 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0f\n\x07\x63orrect\x18\x03 \x01(\x04\"(\n\x07Metrics\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x0f\n\x07\x63orrect\x18\x02 \x01(\x04\"W\n\x08\x46\x65\x61tures\x12\x31\n\x08\x66\x65\x61tures\x18\x01 \x01(\x0b\x32\x1f.splitlearn.dataplane.v1.Tensor\x12\x18\n\x10replaced_pending\x18\x02 \x01(\x08\"\x15\n\x03\x41\x63k\x12\x0e\n\x06queued\x18\x01 \x01(\x04\"\xd5\x02\n\x07Refusal\x12\x37\n\x06reason\x18\x01 \x01(\x0e\x32\'.splitlearn.dataplane.v1.Refusal.Reason\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x80\x02\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\r\n\tMALFORMED\x10\x01\x12\r\n\tTOO_LARGE\x10\x02\x12\x12\n\x0eTOKEN_REJECTED\x10\x03\x12\x13\n\x0fUNEXPECTED_KIND\x10\x04\x12\x0e\n\nBAD_TENSOR\x10\x05\x12\x0e\n\nNOT_FINITE\x10\x06\x12\x10\n\x0cOUT_OF_RANGE\x10\x07\x12\x0c\n\x08REPLAYED\x10\x08\x12\x16\n\x12NO_PENDING_FORWARD\x10\t\x12\x13\n\x0fSTEP_NOT_FINITE\x10\n\x12\x08\n\x04\x42USY\x10\x0b\x12\x0c\n\x08INTERNAL\x10\x0c\x12\x12\n\x0eSTALE_FEEDBACK\x10\r\"\xa1\x02\n\x05Reply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x35\n\x08gradient\x18\x02 \x01(\x0b\x32!.splitlearn.dataplane.v1.GradientH\x00\x12\x33\n\x07metrics\x18\x03 \x01(\x0b\x32 .splitlearn.dataplane.v1.MetricsH\x00\x12\x35\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32!.splitlearn.dataplane.v1.FeaturesH\x00\x12+\n\x03\x61\x63k\x18\x05 \x01(\x0b\x32\x1c.splitlearn.dataplane.v1.AckH\x00\x12\x33\n\x07refusal\x18\x06 \x01(\x0b\x32 .splitlearn.dataplane.v1.RefusalH\x00\x42\x06\n\x04kind*[\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\x08\n\x04INT8\x10\x05\x32Y\n\x05Trunk\x12P\n\x08\x45xchange\x12 .splitlearn.dataplane.v1.Request\x1a\x1e.splitlearn.dataplane.v1.Reply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitlearn.dataplane.trunk_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1723
-  _globals['_DTYPE']._serialized_end=1814
+  _globals['_DTYPE']._serialized_start=1824
+  _globals['_DTYPE']._serialized_end=1915
   _globals['_TENSOR']._serialized_start=62
   _globals['_TENSOR']._serialized_end=210
-  _globals['_FORWARD']._serialized_start=212
-  _globals['_FORWARD']._serialized_end=324
-  _globals['_EVALUATE']._serialized_start=326
-  _globals['_EVALUATE']._serialized_end=439
-  _globals['_BACKWARD']._serialized_start=441
-  _globals['_BACKWARD']._serialized_end=498
-  _globals['_SMASHED']._serialized_start=500
-  _globals['_SMASHED']._serialized_end=612
-  _globals['_REQUEST']._serialized_start=615
-  _globals['_REQUEST']._serialized_end=861
-  _globals['_GRADIENT']._serialized_start=863
-  _globals['_GRADIENT']._serialized_end=951
-  _globals['_METRICS']._serialized_start=953
-  _globals['_METRICS']._serialized_end=993
-  _globals['_FEATURES']._serialized_start=995
-  _globals['_FEATURES']._serialized_end=1082
-  _globals['_ACK']._serialized_start=1084
-  _globals['_ACK']._serialized_end=1105
-  _globals['_REFUSAL']._serialized_start=1108
-  _globals['_REFUSAL']._serialized_end=1429
-  _globals['_REFUSAL_REASON']._serialized_start=1193
-  _globals['_REFUSAL_REASON']._serialized_end=1429
-  _globals['_REPLY']._serialized_start=1432
-  _globals['_REPLY']._serialized_end=1721
-  _globals['_TRUNK']._serialized_start=1816
-  _globals['_TRUNK']._serialized_end=1905
+  _globals['_FORWARD']._serialized_start=213
+  _globals['_FORWARD']._serialized_end=405
+  _globals['_EVALUATE']._serialized_start=407
+  _globals['_EVALUATE']._serialized_end=520
+  _globals['_BACKWARD']._serialized_start=522
+  _globals['_BACKWARD']._serialized_end=579
+  _globals['_SMASHED']._serialized_start=581
+  _globals['_SMASHED']._serialized_end=693
+  _globals['_REQUEST']._serialized_start=696
+  _globals['_REQUEST']._serialized_end=942
+  _globals['_GRADIENT']._serialized_start=944
+  _globals['_GRADIENT']._serialized_end=1032
+  _globals['_METRICS']._serialized_start=1034
+  _globals['_METRICS']._serialized_end=1074
+  _globals['_FEATURES']._serialized_start=1076
+  _globals['_FEATURES']._serialized_end=1163
+  _globals['_ACK']._serialized_start=1165
+  _globals['_ACK']._serialized_end=1186
+  _globals['_REFUSAL']._serialized_start=1189
+  _globals['_REFUSAL']._serialized_end=1530
+  _globals['_REFUSAL_REASON']._serialized_start=1274
+  _globals['_REFUSAL_REASON']._serialized_end=1530
+  _globals['_REPLY']._serialized_start=1533
+  _globals['_REPLY']._serialized_end=1822
+  _globals['_TRUNK']._serialized_start=1917
+  _globals['_TRUNK']._serialized_end=2006
 # @@protoc_insertion_point(module_scope)

@@ -41,12 +41,16 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., row_nnz: _Optional[int] = ..., indices: _Optional[bytes] = ..., mask: _Optional[bytes] = ...) -> None: ...
 
 class Forward(_message.Message):
-    __slots__ = ("activations", "labels")
+    __slots__ = ("activations", "labels", "example_ids", "feedback_version")
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_VERSION_FIELD_NUMBER: _ClassVar[int]
     activations: Tensor
     labels: Tensor
-    def __init__(self, activations: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    example_ids: Tensor
+    feedback_version: int
+    def __init__(self, activations: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ..., example_ids: _Optional[_Union[Tensor, _Mapping]] = ..., feedback_version: _Optional[int] = ...) -> None: ...
 
 class Evaluate(_message.Message):
     __slots__ = ("activations", "labels")
@@ -133,6 +137,7 @@ class Refusal(_message.Message):
         STEP_NOT_FINITE: _ClassVar[Refusal.Reason]
         BUSY: _ClassVar[Refusal.Reason]
         INTERNAL: _ClassVar[Refusal.Reason]
+        STALE_FEEDBACK: _ClassVar[Refusal.Reason]
     REASON_UNSPECIFIED: Refusal.Reason
     MALFORMED: Refusal.Reason
     TOO_LARGE: Refusal.Reason
@@ -146,6 +151,7 @@ class Refusal(_message.Message):
     STEP_NOT_FINITE: Refusal.Reason
     BUSY: Refusal.Reason
     INTERNAL: Refusal.Reason
+    STALE_FEEDBACK: Refusal.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     reason: Refusal.Reason

@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from experiments.local import run_local
+from experiments.local import LocalGrid, run_local
 from splitlearn.config import DatasetConfig
 from splitlearn.data import held_out_dataset
 from splitlearn.evaluation import evaluate_model
@@ -135,6 +135,39 @@ def test_int8_at_the_cut_trains_on_a_quarter_of_the_bytes_or_less(strategy):
         assert down < 4.0 and up > 4.5
     assert int8[-1]["test_accuracy"] > int8[0]["test_accuracy"] + 0.2
     assert int8[-1]["test_accuracy"] == pytest.approx(plain[-1]["test_accuracy"], abs=0.05)
+
+
+class RememberedGrid(LocalGrid):
+    """The in-process grid, kept for the test to read its nodes' contexts after the run."""
+
+    last: RememberedGrid | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        RememberedGrid.last = self
+
+
+def test_error_feedback_keeps_each_devices_references_across_rounds():
+    """Top-k both ways with error feedback: every device's references absorb every batch of
+    every round (no start-over from zero), the bytes are top-k's plus 8 per row, and it
+    trains."""
+    from clients.app import FEEDBACK_STATE_KEY
+    from splitlearn.dataplane.feedback import UplinkFeedback
+    from splitlearn.wire import record_to_state
+
+    cfg = small_config("compression=topk_feedback", "strategy.num_rounds=3")
+    history = run_local(cfg, grid_type=RememberedGrid).history
+    plain = run_local(small_config("compression=topk", "strategy.num_rounds=3")).history
+    contexts = RememberedGrid.last.contexts.values()
+    kept = [UplinkFeedback.from_state(record_to_state(c.state[FEEDBACK_STATE_KEY]),
+                                      max_bytes=1 << 30) for c in contexts]
+    steps = sum(r["steps"] for r in history[1:])
+    assert sum(k.version for k in kept) == steps  # one commit per batch, none lost
+    assert all(len(k.references) == 1437 // cfg.num_clients for k in kept)
+    examples = sum(r["examples"] for r in history[1:])
+    extra = sum(r["bytes_up"] for r in history[1:]) - sum(r["bytes_up"] for r in plain[1:])
+    assert 8 * examples <= extra <= 8 * examples + 16 * steps  # ids, and a version a frame
+    assert history[-1]["test_accuracy"] > history[0]["test_accuracy"] + 0.2
 
 
 @pytest.mark.parametrize(("strategy", "uplink", "downlink"), [

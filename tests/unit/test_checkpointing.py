@@ -38,7 +38,8 @@ class LocalTrunk:
     def __init__(self, model: SplittableModel, cut: int) -> None:
         self.trunk = nn.Sequential(*copy.deepcopy(model).stages[cut:])
 
-    def forward(self, activations: Tensor, labels: Tensor) -> tuple[Tensor, float, int]:
+    def forward(self, activations: Tensor, labels: Tensor, *,
+                example_ids: Tensor | None = None) -> tuple[Tensor, float, int]:
         received = activations.detach().requires_grad_()
         loss = nn.functional.cross_entropy(self.trunk(received), labels)
         loss.backward()

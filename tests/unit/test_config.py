@@ -178,10 +178,20 @@ def test_queue_bytes_replaced_queue_batches():
         (["dataplane.ssl_certfile=/nonexistent/server.pem",
           "dataplane.ssl_keyfile=/nonexistent/server.key"],
          "dataplane.ssl_certfile='/nonexistent/server.pem'"),
+        (["dataplane.compression.error_feedback=true"], "dataplane.compression.error_feedback"),
+        (["compression=topk_feedback", "strategy=ushaped"],
+         "dataplane.compression.error_feedback=true is built for the split protocols"),
+        (["compression=topk_feedback", "strategy=local_loss"], "not strategy=local_loss"),
+        (["compression=topk_feedback", "privacy=activation_gaussian"],
+         "not with privacy=activation_gaussian"),
+        (["compression=topk_feedback", "dataplane.compression.feedback_max_mib=0"],
+         "dataplane.compression.feedback_max_mib"),
     ],
     ids=["unknown-protocol", "cut-past-the-end", "cut-zero", "missing-dataset-folder",
          "path-for-digits", "zero-noise", "too-few-clients", "undefined-profile",
-         "tls-certificate-without-key", "tls-ca-without-certificate", "tls-missing-file"],
+         "tls-certificate-without-key", "tls-ca-without-certificate", "tls-missing-file",
+         "feedback-with-nothing-dropped", "feedback-ushaped", "feedback-local-loss",
+         "feedback-activation-noise", "feedback-no-memory"],
 )
 def test_preflight_refuses_naming_the_key(overrides, key):
     cfg = composed(*overrides)

@@ -1,0 +1,297 @@
+"""Per-example error feedback for lossy compression at the cut.
+
+A tensor at the cut is one row per example, so what compression drops from a row can
+only be made up on a later row of the *same* example: its next visit, in this round's
+next epoch or in a later round. Both directions key their memory by the example's id
+(its index in the device's data, the same every round), which the device sends with
+each training batch (``Forward.example_ids``):
+
+* **uplink** (activations; as in AQ-SGD, Wang et al. 2022): device and trunk each hold
+  a reference per example, zero until the example is first sent. The device sends the
+  compressed difference between the row and its reference; both sides add the decoded
+  difference to the reference, and the trunk trains on that sum. What compression
+  dropped stays in the next difference, so the error does not accumulate, and as the
+  model settles the differences shrink.
+* **downlink** (the gradient at the cut; error feedback as in EF-SGD): the trunk adds
+  what compression dropped from the example's previous gradient to this one before
+  compressing it, and keeps what it drops now. The device's weights get the dropped
+  part one visit later instead of never.
+
+Both sides decode the same bytes with the same code, so their references agree bit
+for bit; a version (the batches the references absorbed since they were zero) tells
+when they do not (a round the device did not finish), and the device then starts both
+over from zero. The device keeps its references across rounds in its Flower context;
+the trunk keeps every client's in a :class:`FeedbackBook`, within one memory budget.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+#: Turns a tensor into what the receiver will decode (encode, then decode the frame).
+RoundTrip = Callable[[Tensor], tuple[object, Tensor]]
+
+
+class FeedbackFull(ValueError):
+    """The rows of a client's examples would exceed the memory bound."""
+
+
+class StaleFeedback(ValueError):
+    """A batch was encoded against references the trunk does not hold."""
+
+
+class ExampleRows:
+    """One float32 row per example id, zero for an id not stored yet.
+
+    Parameters
+    ----------
+    max_bytes : int
+        Most bytes the rows may take; storing more raises :class:`FeedbackFull`.
+    """
+
+    def __init__(self, *, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._slots: dict[int, int] = {}
+        self._rows = torch.zeros(0)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the stored rows take (allocated capacity included)."""
+        return self._rows.numel() * self._rows.element_size()
+
+    def holds(self, row_shape: tuple[int, ...]) -> bool:
+        """Whether rows of ``row_shape`` may be stored (none are yet, or theirs is the same)."""
+        return not self._slots or tuple(self._rows.shape[1:]) == tuple(row_shape)
+
+    def rows(self, ids: Tensor, row_shape: tuple[int, ...]) -> Tensor:
+        """Return a copy of the rows of ``ids``, zeros for ids not stored.
+
+        Raises
+        ------
+        FeedbackFull
+            If the rows were stored with another shape.
+        """
+        if not self.holds(row_shape):
+            raise FeedbackFull(f"rows of shape {tuple(row_shape)} against the stored "
+                               f"{tuple(self._rows.shape[1:])}")
+        slots = [self._slots.get(i, -1) for i in ids.tolist()]
+        out = torch.zeros(len(slots), *row_shape)
+        known = [n for n, s in enumerate(slots) if s >= 0]
+        if known:
+            out[known] = self._rows[[slots[n] for n in known]]
+        return out
+
+    def admit(self, ids: Tensor, row_shape: tuple[int, ...]) -> None:
+        """Make room for ``ids`` (a new row is zero, as before), so that storing them cannot fail.
+
+        Raises
+        ------
+        FeedbackFull
+            If the rows would take more than ``max_bytes``, or have another shape than the
+            rows already stored (nothing changes then).
+        """
+        if not self.holds(row_shape):
+            raise FeedbackFull(f"rows of shape {tuple(row_shape)} against the stored "
+                               f"{tuple(self._rows.shape[1:])}")
+        new = [i for i in dict.fromkeys(ids.tolist()) if i not in self._slots]
+        row_bytes = 4 * max(1, torch.Size(row_shape).numel())
+        count = len(self._slots) + len(new)
+        if count * row_bytes > self.max_bytes:
+            raise FeedbackFull(f"{count} examples of {row_bytes} bytes exceed the session's "
+                               f"{self.max_bytes} bytes (dataplane.compression.feedback_max_mib)")
+        if not len(self._slots):
+            self._rows = torch.zeros(0, *row_shape)
+        if count > len(self._rows):
+            capacity = min(max(count, 2 * len(self._rows)), self.max_bytes // row_bytes)
+            grown = torch.zeros(capacity, *row_shape)
+            grown[: len(self._rows)] = self._rows
+            self._rows = grown
+        for key in new:
+            self._slots[key] = len(self._slots)
+
+    def state(self) -> dict[str, Tensor]:
+        """Return the stored ids and their rows (for keeping them between rounds)."""
+        return {"ids": torch.tensor(list(self._slots), dtype=torch.int64),
+                "rows": self._rows[: len(self._slots)].clone()}
+
+    def load(self, state: Mapping[str, Tensor]) -> None:
+        """Replace the rows by those of :meth:`state` (raises :class:`FeedbackFull`)."""
+        self._slots, self._rows = {}, torch.zeros(0)
+        if len(state["ids"]):
+            self.store(state["ids"], state["rows"])
+
+    def store(self, ids: Tensor, values: Tensor) -> None:
+        """Set the rows of ``ids`` (distinct) to ``values``, making room first (:meth:`admit`)."""
+        self.admit(ids, tuple(values.shape[1:]))
+        self._rows[[self._slots[i] for i in ids.tolist()]] = values.float()
+
+
+class UplinkFeedback:
+    """Activations sent as compressed differences from per-example references.
+
+    Parameters
+    ----------
+    max_bytes : int
+        Bound on the references' memory.
+    """
+
+    def __init__(self, *, max_bytes: int) -> None:
+        self.references = ExampleRows(max_bytes=max_bytes)
+        #: Batches the references absorbed since they were zero (0: none).
+        self.version = 0
+
+    def difference(self, ids: Tensor, activations: Tensor) -> Tensor:
+        """Return what the device compresses and sends: each row minus its reference."""
+        return activations - self.references.rows(ids, tuple(activations.shape[1:]))
+
+    def reconstruct(self, ids: Tensor, received: Tensor) -> Tensor:
+        """Return the activations both sides agree on: reference + the decoded difference."""
+        return self.references.rows(ids, tuple(received.shape[1:])) + received
+
+    def commit(self, ids: Tensor, activations: Tensor) -> None:
+        """Make ``activations`` (from :meth:`reconstruct`) the references, once the step is done."""
+        self.references.store(ids, activations)
+        self.version += 1
+
+    def state(self) -> dict[str, Tensor]:
+        """Return the references and their version (for the device's Flower context)."""
+        return {**self.references.state(), "version": torch.tensor(self.version)}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Tensor], *, max_bytes: int) -> UplinkFeedback:
+        """Rebuild what :meth:`state` returned; from zero if it no longer fits ``max_bytes``."""
+        feedback = cls(max_bytes=max_bytes)
+        try:
+            feedback.references.load(state)
+        except FeedbackFull:  # a smaller bound than when they were kept: start over
+            return cls(max_bytes=max_bytes)
+        feedback.version = int(state["version"])
+        return feedback
+
+
+class DownlinkFeedback:
+    """Gradients compressed with what their example's previous compression dropped.
+
+    Parameters
+    ----------
+    max_bytes : int
+        Bound on the residuals' memory.
+    """
+
+    def __init__(self, *, max_bytes: int) -> None:
+        self.residuals = ExampleRows(max_bytes=max_bytes)
+
+    def compress(self, ids: Tensor, grad: Tensor, round_trip: RoundTrip) -> object:
+        """Return the frame of ``grad`` plus the residuals; keep what it drops.
+
+        ``round_trip`` encodes a tensor and returns the frame and its decoding.
+        """
+        corrected = grad.float() + self.residuals.rows(ids, tuple(grad.shape[1:]))
+        frame, sent = round_trip(corrected)
+        self.residuals.store(ids, corrected - sent)
+        return frame
+
+
+class ClientFeedback:
+    """One client's error feedback on the trunk: either direction, or both."""
+
+    def __init__(self, *, uplink: bool, downlink: bool, max_bytes: int) -> None:
+        self.uplink = UplinkFeedback(max_bytes=max_bytes) if uplink else None
+        self.downlink = DownlinkFeedback(max_bytes=max_bytes) if downlink else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its rows take."""
+        return sum(s.nbytes for s in self._stores())
+
+    def holds(self, row_shape: tuple[int, ...]) -> bool:
+        """Whether its rows are of ``row_shape`` (or none are stored)."""
+        return all(store.holds(row_shape) for store in self._stores())
+
+    def admit(self, ids: Tensor, row_shape: tuple[int, ...]) -> None:
+        """Make room for ``ids`` in both directions (raises :class:`FeedbackFull`)."""
+        for store in self._stores():
+            store.admit(ids, row_shape)
+
+    def _stores(self) -> list[ExampleRows]:
+        return ([self.uplink.references] if self.uplink else []) + (
+            [self.downlink.residuals] if self.downlink else [])
+
+
+class FeedbackBook:
+    """Every client's error feedback on the trunk, across rounds, within one memory budget.
+
+    When the clients' rows outgrow ``max_bytes``, the least recently served clients'
+    are dropped (their next batch is refused as stale, and they start over from zero).
+
+    Parameters
+    ----------
+    uplink, downlink : bool
+        Which directions feed back (:attr:`CompressionConfig.uplink_feedback`, ...).
+    max_bytes : int
+        Bound on all clients' rows together.
+    """
+
+    def __init__(self, *, uplink: bool, downlink: bool, max_bytes: int) -> None:
+        self.uplink, self.downlink, self.max_bytes = uplink, downlink, max_bytes
+        self._clients: OrderedDict[str, ClientFeedback] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, client: str) -> bool:
+        return client in self._clients
+
+    def __getitem__(self, client: str) -> ClientFeedback:
+        return self._clients[client]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes all clients' rows take."""
+        with self._lock:
+            return sum(c.nbytes for c in self._clients.values())
+
+    def prepare(self, client: str, ids: Tensor, row_shape: tuple[int, ...], *, version: int
+                ) -> ClientFeedback:
+        """Return ``client``'s feedback for a batch, with room for its ``ids``.
+
+        Version 0 (with uplink feedback) starts the client from zero, as does a batch
+        at another cut than the kept rows'; the fresh memory replaces the old one only
+        at :meth:`keep`, so a refused batch changes nothing.
+
+        Raises
+        ------
+        StaleFeedback
+            If the batch's version is not the references' (uplink feedback only).
+        FeedbackFull
+            If this client's rows alone would exceed the budget.
+        """
+        with self._lock:
+            memory = self._clients.get(client)
+        fresh = memory is None or (self.uplink and version == 0) or not memory.holds(row_shape)
+        if fresh:
+            memory = ClientFeedback(uplink=self.uplink, downlink=self.downlink,
+                                    max_bytes=self.max_bytes)
+        assert memory is not None
+        if memory.uplink is not None and memory.uplink.version != version:
+            raise StaleFeedback(f"this batch was encoded against version {version} of client "
+                                f"{client}'s references; the trunk holds version "
+                                f"{memory.uplink.version}: send it again from version 0")
+        memory.admit(ids, row_shape)
+        return memory
+
+    def keep(self, client: str, memory: ClientFeedback) -> None:
+        """Hold ``memory`` as ``client``'s (after its batch was applied); evict to the budget."""
+        with self._lock:
+            self._clients[client] = memory
+            self._clients.move_to_end(client)
+            total = sum(c.nbytes for c in self._clients.values())
+            while total > self.max_bytes and len(self._clients) > 1:
+                _, dropped = self._clients.popitem(last=False)
+                total -= dropped.nbytes

@@ -1,0 +1,356 @@
+"""Per-example error feedback at the cut: the store against a slow reference, the two rules'
+invariants, device and trunk agreeing bit for bit, and every refusal of a bad frame."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from splitlearn.config import CompressionConfig, DataPlaneConfig
+from splitlearn.dataplane import TrunkRejected
+from splitlearn.dataplane import trunk_pb2 as pb
+from splitlearn.dataplane.codec import decode_tensor, encode_tensor, encoder, request
+from splitlearn.dataplane.feedback import (
+    DownlinkFeedback,
+    ExampleRows,
+    FeedbackBook,
+    FeedbackFull,
+    UplinkFeedback,
+)
+from tests.conftest import digits_like_model
+from tests.helpers import send_raw
+
+MAX = 1 << 22
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+CUT = 1
+TOPK = CompressionConfig(uplink="topk", downlink="topk", topk_fraction=0.1, error_feedback=True)
+
+
+def wire(tensor: torch.Tensor, method: str = "topk") -> torch.Tensor:
+    """What a receiver decodes from the bytes of ``tensor`` encoded by ``method``."""
+    frame = encode_tensor(tensor, method, topk_fraction=0.1)
+    return decode_tensor(pb.Tensor.FromString(frame.SerializeToString()), name="t", max_bytes=MAX)
+
+
+# --- the store ---------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=6, unique=True),
+                min_size=1, max_size=12),
+       st.integers(0, 2**16))
+def test_rows_are_what_a_dict_of_rows_holds(batches, seed):
+    """Any sequence of stores reads back as a plain dict of rows (zeros where never stored)."""
+    g = torch.Generator().manual_seed(seed)
+    store, reference = ExampleRows(max_bytes=MAX), {}
+    for ids in batches:
+        values = torch.randn(len(ids), 2, 3, generator=g)
+        store.store(torch.tensor(ids), values)
+        reference.update({i: v for i, v in zip(ids, values, strict=True)})
+        probe = torch.tensor(sorted({*ids, 41, 0}))
+        expected = torch.stack([reference.get(i, torch.zeros(2, 3)) for i in probe.tolist()])
+        assert torch.equal(store.rows(probe, (2, 3)), expected)
+    assert len(store) == len(reference)
+
+
+def test_rows_beyond_the_bound_are_refused_and_nothing_changes():
+    store = ExampleRows(max_bytes=10 * 4 * 6)  # ten rows of 6 floats
+    store.store(torch.arange(8), torch.ones(8, 6))
+    with pytest.raises(FeedbackFull, match="11 examples of 24 bytes exceed"):
+        store.admit(torch.tensor([0, 8, 9, 10]), (6,))
+    assert len(store) == 8 and store.nbytes <= 10 * 24
+    assert torch.equal(store.rows(torch.tensor([8]), (6,)), torch.zeros(1, 6))
+    with pytest.raises(FeedbackFull, match="shape"):
+        store.admit(torch.tensor([1]), (3, 2))
+
+
+# --- the two rules ------------------------------------------------------------------
+
+
+def test_an_unchanging_row_reaches_its_value_through_topk_differences():
+    """Top-k of 10% sends a tenth of a row; its differences send the rest on later visits."""
+    device, trunk = UplinkFeedback(max_bytes=MAX), UplinkFeedback(max_bytes=MAX)
+    ids = torch.tensor([3, 7])
+    x = torch.randn(2, 4, 5, 5, generator=torch.Generator().manual_seed(0))
+    errors = []
+    for _ in range(12):
+        sent = wire(device.difference(ids, x))
+        agreed = trunk.reconstruct(ids, sent)
+        assert torch.equal(agreed, device.reconstruct(ids, sent))
+        device.commit(ids, agreed)
+        trunk.commit(ids, agreed)
+        errors.append(float((agreed - x).norm() / x.norm()))
+    assert errors[0] > 0.5  # plain top-k: most of the row missing
+    assert all(b < a for a, b in zip(errors[:9], errors[1:9], strict=False))
+    assert errors[-1] < 2**-7  # bfloat16's rounding of the last differences
+
+
+def test_downlink_feedback_delivers_every_gradient_in_the_end():
+    """EF's invariant: what was sent plus the residual is the sum of the true gradients."""
+    g = torch.Generator().manual_seed(1)
+    feedback = DownlinkFeedback(max_bytes=MAX)
+    ids = torch.tensor([5, 2, 9])
+    true_sum, sent_sum = torch.zeros(3, 40), torch.zeros(3, 40)
+
+    def round_trip(t: torch.Tensor):
+        frame = encode_tensor(t, "topk", topk_fraction=0.1)
+        return frame, decode_tensor(frame, name="grad", max_bytes=MAX)
+
+    for _ in range(6):
+        grad = torch.randn(3, 40, generator=g)
+        frame = feedback.compress(ids, grad, round_trip)
+        true_sum += grad
+        sent_sum += decode_tensor(pb.Tensor.FromString(frame.SerializeToString()), name="g",
+                                  max_bytes=MAX)
+    residual = feedback.residuals.rows(ids, (40,))
+    assert torch.allclose(sent_sum + residual, true_sum, atol=1e-5)
+    assert residual.abs().max() > 0  # something is still owed: the test is not vacuous
+
+
+# --- device and trunk over the data plane -----------------------------------------
+
+
+def limits(compression: CompressionConfig, **kw) -> DataPlaneConfig:
+    return DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64, compression=compression, **kw)
+
+
+def batch(seed: int, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    acts = torch.relu(torch.randn(len(ids), 32, 8, 8, generator=g))
+    return acts, torch.randint(0, 10, (len(ids),), generator=g), torch.tensor(ids)
+
+
+@pytest.mark.parametrize("compression", [
+    TOPK, CompressionConfig(uplink="int8", downlink="none", error_feedback=True),
+    CompressionConfig(uplink="none", downlink="topk", error_feedback=True),
+])
+def test_device_and_trunk_hold_the_same_references_bit_for_bit_across_rounds(
+        compression, trunk_server_factory):
+    server = trunk_server_factory(digits_like_model(), limits=limits(compression))
+    kept = None  # what the device keeps in its context between rounds
+    for server_round, batches in enumerate([[[0, 1, 2, 3], [4, 5, 0, 1]],
+                                            [[2, 3, 4, 5], [1, 0, 9, 8]]], start=1):
+        channel = server.channel(server.token(CUT, server_round=server_round),
+                                 compression=compression)
+        if kept is not None:
+            channel.feedback = UplinkFeedback.from_state(kept, max_bytes=MAX)
+        for seed, ids in enumerate(batches):
+            acts, labels, example_ids = batch(seed, ids)
+            grad, _, _ = channel.forward(acts, labels, example_ids=example_ids)
+            assert grad.shape == acts.shape
+        kept = channel.feedback.state() if channel.feedback is not None else None
+        channel.close()
+    memory = server.handler.feedback["c0"]
+    assert (memory.uplink is None) == (channel.feedback is None) == (
+        compression.uplink == "none")
+    assert (memory.downlink is None) == (compression.downlink == "none")
+    if memory.uplink is not None:
+        assert memory.uplink.version == channel.feedback.version == 4  # no reset between
+        every = torch.arange(10)
+        mine = channel.feedback.references.rows(every, (32, 8, 8))
+        assert torch.equal(memory.uplink.references.rows(every, (32, 8, 8)), mine)
+        assert len(memory.uplink.references) == 8
+
+
+def test_a_device_behind_the_trunk_is_refused_as_stale_and_starts_over_from_zero(
+        trunk_server_factory):
+    """A round the device did not finish moved the trunk's references, not the device's."""
+    server = trunk_server_factory(digits_like_model(), limits=limits(TOPK))
+    first = server.local_channel(server.token(CUT), compression=TOPK)
+    acts, labels, ids = batch(0, [0, 1, 2, 3])
+    first.forward(acts, labels, example_ids=ids)
+    before_last = first.feedback.state()  # kept before the batch whose reply was lost
+    first.forward(acts * 2, labels, example_ids=ids)
+    assert server.handler.feedback["c0"].uplink.version == 2
+    channel = server.local_channel(server.token(CUT, server_round=2), compression=TOPK)
+    channel.feedback = UplinkFeedback.from_state(before_last, max_bytes=MAX)
+    sent = RecordingSends(channel)
+    channel.forward(acts, labels, example_ids=ids)
+    assert sent.versions == [1, 0]  # refused as stale, then sent again from zero
+    memory = server.handler.feedback["c0"].uplink
+    assert memory.version == channel.feedback.version == 1
+    assert torch.equal(memory.references.rows(ids, (32, 8, 8)),
+                       channel.feedback.references.rows(ids, (32, 8, 8)))
+    assert server.trunk.steps == 3
+
+
+class RecordingSends:
+    """Keeps the ``feedback_version`` of every frame a channel sends."""
+
+    def __init__(self, channel) -> None:
+        self.versions: list[int] = []
+        send = channel.transport.send
+
+        def recording(data: bytes) -> None:
+            self.versions.append(pb.Request.FromString(data).forward.feedback_version)
+            send(data)
+
+        channel.transport.send = recording
+
+
+def test_the_trunk_drops_the_least_recently_served_clients_past_its_budget(trunk_server_factory):
+    """Three clients' rows in a budget for two: the first is dropped, and starts over."""
+    row = 32 * 8 * 8 * 4
+    compression = CompressionConfig(uplink="topk", downlink="none", error_feedback=True,
+                                    feedback_max_mib=8.5 * row / 2**20)
+    server = trunk_server_factory(digits_like_model(), limits=limits(compression))
+    channels = {c: server.local_channel(server.token(CUT, client=c), compression=TOPK)
+                for c in ("a", "b", "c")}
+    acts, labels, ids = batch(0, [0, 1, 2, 3])
+    for channel in channels.values():
+        channel.forward(acts, labels, example_ids=ids)
+    book = server.handler.feedback
+    assert "a" not in book and "b" in book and "c" in book
+    assert book.nbytes <= 8.5 * row
+    sent = RecordingSends(channels["a"])
+    channels["a"].forward(acts, labels, example_ids=ids)
+    assert sent.versions == [1, 0] and book["a"].uplink.version == 1
+
+
+def test_a_new_cut_starts_the_references_over(trunk_server_factory):
+    """An adaptive planner moved the device's cut: rows of the old shape are not reused."""
+    server = trunk_server_factory(digits_like_model(), limits=limits(TOPK))
+    model = digits_like_model()
+    channel = server.local_channel(server.token(CUT), compression=TOPK)
+    acts, labels, ids = batch(0, [0, 1, 2, 3])
+    channel.forward(acts, labels, example_ids=ids)
+    deeper = server.local_channel(server.token(2, server_round=2), compression=TOPK)
+    deeper.feedback = UplinkFeedback.from_state(channel.feedback.state(), max_bytes=MAX)
+    with torch.no_grad():
+        at_two = model.stages[1](model.stages[0](torch.rand(4, 1, 8, 8)))
+    sent = RecordingSends(deeper)
+    deeper.forward(at_two, labels, example_ids=ids)
+    assert sent.versions == [0]
+    assert server.handler.feedback["c0"].uplink.references.holds(tuple(at_two.shape[1:]))
+
+
+def test_references_survive_the_devices_context_and_a_smaller_bound_starts_over():
+    feedback = UplinkFeedback(max_bytes=MAX)
+    ids = torch.tensor([4, 1, 7])
+    feedback.commit(ids, torch.randn(3, 2, 5))
+    feedback.commit(ids[:2], torch.randn(2, 2, 5))
+    back = UplinkFeedback.from_state(feedback.state(), max_bytes=MAX)
+    assert back.version == 2
+    assert torch.equal(back.references.rows(ids, (2, 5)), feedback.references.rows(ids, (2, 5)))
+    smaller = UplinkFeedback.from_state(feedback.state(), max_bytes=2 * 40)
+    assert smaller.version == 0 and len(smaller.references) == 0
+
+
+def test_refused_frames_name_the_reason_and_change_nothing(trunk_server_factory):
+    server = trunk_server_factory(digits_like_model(), limits=limits(TOPK))
+    channel = server.local_channel(server.token(CUT), compression=TOPK)
+    before = {k: v.clone() for k, v in server.trunk.model.state_dict().items()}
+    acts, labels, ids = batch(0, [0, 1, 2, 3])
+    frame = encoder(TOPK, "uplink")(acts)
+    cases = {
+        "frame carries no example_ids": {},
+        "repeat an example": {"example_ids": encode_tensor(torch.tensor([0, 1, 1, 3]))},
+        "must be >= 0": {"example_ids": encode_tensor(torch.tensor([0, 1, -2, 3]))},
+        "example_ids have dtype torch.float32": {"example_ids": encode_tensor(ids.float())},
+        "expected int64 of shape (4,)": {"example_ids": encode_tensor(ids[:3])},
+    }
+    for reason, extra in cases.items():
+        data = request(channel.next_seq(), "forward", activations=frame,
+                       labels=encode_tensor(labels), **extra).SerializeToString()
+        reply = send_raw(channel, data)
+        assert reply.WhichOneof("kind") == "refusal" and reason in reply.refusal.detail
+    assert server.trunk.steps == 0
+    after = server.trunk.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert "c0" not in server.handler.feedback  # no reference was even made
+
+
+def test_a_difference_beyond_the_bound_once_added_to_its_reference_is_refused(trunk_server_factory):
+    """A device that sends its own differences cannot push the trunk's input past the bound."""
+    server = trunk_server_factory(digits_like_model(), limits=limits(TOPK, max_abs_value=100.0))
+    channel = server.local_channel(server.token(CUT), compression=TOPK)
+    _, labels, ids = batch(0, [0, 1, 2, 3])
+    channel.forward(torch.full((4, 32, 8, 8), 60.0), labels, example_ids=ids)
+    data = request(channel.next_seq(), "forward",
+                   activations=encode_tensor(torch.full((4, 32, 8, 8), 99.0)),
+                   labels=encode_tensor(labels), example_ids=encode_tensor(ids),
+                   feedback_version=channel.feedback.version)
+    reply = send_raw(channel, data.SerializeToString())
+    assert reply.refusal.reason == pb.Refusal.OUT_OF_RANGE, reply
+    assert "|x| = 159" in reply.refusal.detail
+    assert server.trunk.steps == 1
+
+
+def test_a_client_past_the_trunks_memory_bound_is_refused_before_it_steps(trunk_server_factory):
+    compression = CompressionConfig(uplink="topk", downlink="topk", error_feedback=True,
+                                    feedback_max_mib=6 * 8192 / 2**20)  # six rows of 8 KiB
+    server = trunk_server_factory(digits_like_model(), limits=limits(compression))
+    token = server.token(CUT)
+    channel = server.local_channel(token, compression=CompressionConfig(
+        uplink="topk", downlink="topk", error_feedback=True))  # the device's bound is larger
+    acts, labels, ids = batch(0, [0, 1, 2, 3])
+    channel.forward(acts, labels, example_ids=ids)
+    with pytest.raises(TrunkRejected, match="TOO_LARGE: error feedback: 8 examples of 8192"):
+        channel.forward(acts, labels, example_ids=ids + 4)
+    assert server.trunk.steps == 1
+
+
+def test_ids_to_a_trunk_without_error_feedback_are_refused(trunk_server_factory):
+    server = trunk_server_factory(digits_like_model())
+    channel = server.local_channel(server.token(CUT))
+    acts, labels, ids = batch(0, [0, 1])
+    data = request(1, "forward", activations=encode_tensor(acts),
+                   labels=encode_tensor(labels),
+                   example_ids=encode_tensor(ids)).SerializeToString()
+    reply = send_raw(channel, data)
+    assert reply.refusal.reason == pb.Refusal.BAD_TENSOR
+    assert "without error feedback" in reply.refusal.detail
+    assert server.trunk.steps == 0
+
+
+def test_a_device_without_ids_is_stopped_before_sending(trunk_server_factory):
+    server = trunk_server_factory(digits_like_model(), limits=limits(TOPK))
+    channel = server.local_channel(server.token(CUT), compression=TOPK)
+    acts, labels, _ = batch(0, [0, 1])
+    with pytest.raises(ValueError, match="example_ids"):
+        channel.forward(acts, labels)
+
+
+def test_a_device_counts_its_references_in_its_training_memory():
+    from clients.steps.split import SplitStep
+    from tests.helpers import plain_spec
+
+    step = SplitStep(digits_like_model(), plain_spec(0.1), cut=CUT)
+    assert step.reference_bytes(144) == 144 * 32 * 8 * 8 * 4  # the SmallCNN's rows at cut 1
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcd"), st.lists(st.integers(0, 30), min_size=1,
+                                                              max_size=5, unique=True)),
+                min_size=1, max_size=25),
+       st.integers(4, 40))
+def test_the_book_stays_within_its_budget_and_versions_only_move_forward(batches, budget_rows):
+    """Whatever the clients send, the trunk's rows stay within the budget (or one client's
+    rows, which its own bound caps), and a kept client's version is its batches since zero."""
+    row = (3,)
+    book = FeedbackBook(uplink=True, downlink=True, max_bytes=budget_rows * 12)
+    sent: dict[str, int] = {}
+    for client, ids in batches:
+        version = book[client].uplink.version if client in book else 0
+        try:
+            memory = book.prepare(client, torch.tensor(ids), row, version=version)
+        except FeedbackFull:
+            continue
+        memory.uplink.commit(torch.tensor(ids), torch.ones(len(ids), 3))
+        memory.downlink.residuals.store(torch.tensor(ids), torch.ones(len(ids), 3))
+        book.keep(client, memory)
+        sent[client] = version + 1
+        assert book[client].uplink.version == sent[client]
+        assert book.nbytes <= budget_rows * 12 or len(book._clients) == 1
