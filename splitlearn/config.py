@@ -110,7 +110,8 @@ class CompressionConfig:
     # Make up what compression drops on the example's next visit (split protocols; the
     # device sends each row's example id): see splitlearn/dataplane/feedback.py.
     error_feedback: bool = False
-    feedback_max_mib: float = 256.0  # per session, each direction: the per-example rows' bound
+    # Trunk: all clients' rows together (least recently served dropped first); device: its own.
+    feedback_max_mib: float = 256.0
 
     def __post_init__(self) -> None:
         for key in ("uplink", "downlink"):

@@ -201,11 +201,15 @@ class DownlinkFeedback:
 
 
 class ClientFeedback:
-    """One client's error feedback on the trunk: either direction, or both."""
+    """One client's error feedback on the trunk: either direction, or both.
+
+    ``max_bytes`` bounds both directions' rows together (each gets its share).
+    """
 
     def __init__(self, *, uplink: bool, downlink: bool, max_bytes: int) -> None:
-        self.uplink = UplinkFeedback(max_bytes=max_bytes) if uplink else None
-        self.downlink = DownlinkFeedback(max_bytes=max_bytes) if downlink else None
+        share = max_bytes // max(1, uplink + downlink)
+        self.uplink = UplinkFeedback(max_bytes=share) if uplink else None
+        self.downlink = DownlinkFeedback(max_bytes=share) if downlink else None
 
     @property
     def nbytes(self) -> int:
@@ -243,6 +247,8 @@ class FeedbackBook:
     def __init__(self, *, uplink: bool, downlink: bool, max_bytes: int) -> None:
         self.uplink, self.downlink, self.max_bytes = uplink, downlink, max_bytes
         self._clients: OrderedDict[str, ClientFeedback] = OrderedDict()
+        self._sizes: dict[str, int] = {}  # each kept client's bytes, as of its last keep
+        self._bytes = 0  # their sum
         self._lock = threading.Lock()
 
     def __contains__(self, client: str) -> bool:
@@ -253,9 +259,8 @@ class FeedbackBook:
 
     @property
     def nbytes(self) -> int:
-        """Bytes all clients' rows take."""
-        with self._lock:
-            return sum(c.nbytes for c in self._clients.values())
+        """Bytes all clients' rows take (as of each one's last batch)."""
+        return self._bytes
 
     def prepare(self, client: str, ids: Tensor, row_shape: tuple[int, ...], *, version: int
                 ) -> ClientFeedback:
@@ -291,7 +296,9 @@ class FeedbackBook:
         with self._lock:
             self._clients[client] = memory
             self._clients.move_to_end(client)
-            total = sum(c.nbytes for c in self._clients.values())
-            while total > self.max_bytes and len(self._clients) > 1:
-                _, dropped = self._clients.popitem(last=False)
-                total -= dropped.nbytes
+            size = memory.nbytes
+            self._bytes += size - self._sizes.get(client, 0)
+            self._sizes[client] = size
+            while self._bytes > self.max_bytes and len(self._clients) > 1:
+                dropped, _ = self._clients.popitem(last=False)
+                self._bytes -= self._sizes.pop(dropped)

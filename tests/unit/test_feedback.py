@@ -10,8 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protocols import protocol_named
+from server.trunk import Trunk
 from splitlearn.config import CompressionConfig, DataPlaneConfig
-from splitlearn.dataplane import TrunkRejected
+from splitlearn.dataplane import TokenRegistry, TrunkEndpoint, TrunkRejected
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor, encode_tensor, encoder, request
 from splitlearn.dataplane.feedback import (
@@ -290,7 +292,7 @@ def test_a_difference_beyond_the_bound_once_added_to_its_reference_is_refused(tr
 
 def test_a_client_past_the_trunks_memory_bound_is_refused_before_it_steps(trunk_server_factory):
     compression = CompressionConfig(uplink="topk", downlink="topk", error_feedback=True,
-                                    feedback_max_mib=6 * 8192 / 2**20)  # six rows of 8 KiB
+                                    feedback_max_mib=12 * 8192 / 2**20)  # six rows each way
     server = trunk_server_factory(digits_like_model(), limits=limits(compression))
     token = server.token(CUT)
     channel = server.local_channel(token, compression=CompressionConfig(
@@ -353,4 +355,34 @@ def test_the_book_stays_within_its_budget_and_versions_only_move_forward(batches
         book.keep(client, memory)
         sent[client] = version + 1
         assert book[client].uplink.version == sent[client]
+        assert book.nbytes == sum(book[c].nbytes for c in "abcd" if c in book)
         assert book.nbytes <= budget_rows * 12 or len(book._clients) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(-3, 2**40), min_size=0, max_size=6),
+       dtype=st.sampled_from([torch.int64, torch.float32, torch.float16]),
+       version=st.integers(0, 2**64 - 1))
+def test_any_ids_and_version_get_a_gradient_or_a_reasoned_refusal(ids, dtype, version):
+    """Fuzzed ``example_ids`` and ``feedback_version`` never crash the trunk, and a refused
+    batch never steps it."""
+    trunk = Trunk(digits_like_model(), lr=0.1)
+    protocol = protocol_named("splitfed_v2")
+    tokens = TokenRegistry()
+    endpoint = TrunkEndpoint({protocol.name: protocol.trunk(trunk, protocol.options(),
+                                                            limits(TOPK))},
+                             tokens, limits=limits(TOPK))
+    session, _ = endpoint.attach(tokens.issue(client="c0", protocol=protocol.name, cut=CUT,
+                                              server_round=1, ttl_s=60), lambda: None)
+    acts, labels, _ = batch(0, [0, 1, 2, 3])
+    data = request(1, "forward", activations=encoder(TOPK, "uplink")(acts),
+                   labels=encode_tensor(labels),
+                   example_ids=encode_tensor(torch.tensor(ids, dtype=dtype)),
+                   feedback_version=version).SerializeToString()
+    reply = pb.Reply.FromString(endpoint.handle(session, data, peer="fuzz"))
+    fine = (dtype == torch.int64 and len(set(ids)) == len(ids) == 4 and min(ids) >= 0
+            and version == 0)
+    assert reply.WhichOneof("kind") == ("gradient" if fine else "refusal"), reply
+    assert trunk.steps == int(fine)
+    if not fine:
+        assert reply.refusal.reason != pb.Refusal.INTERNAL, reply.refusal.detail
