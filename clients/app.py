@@ -424,12 +424,14 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     step = rnd.step(msg.content["arrays"])
     loader = rnd.loader()
     memory = step.memory_bytes(spec.strategy.batch_size)
+    examples = len(loader.dataset)  # type: ignore[arg-type]
     if spec.compression.uplink_feedback:  # a reference per example, held while training
-        memory += step.reference_bytes(len(loader.dataset))  # type: ignore[arg-type]
+        memory += step.reference_bytes(examples)
     plan.check_memory(memory, what=f"{rnd.protocol.name} at cut {rnd.cut}, batch "
                       f"{spec.strategy.batch_size}"
                       + (" with checkpointing" if rnd.checkpoint else "")
-                      + (" and error feedback" if spec.compression.uplink_feedback else ""))
+                      + (" and error feedback" if spec.compression.uplink_feedback else ""),
+                      examples=examples)
     privacy = make_client_privacy(spec.privacy, loader)
     privacy.check_source(step.bottom)
     accountant = _load_accountant(context)
@@ -466,7 +468,8 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
         pacer.transfer(bytes_up=weights.up)
     metrics = _train_metrics(rnd, plan, report, memory, weights)
     # A whole round's work, which the planner plans with even when it asked for part of it.
-    metrics["round-examples"] = len(loader.dataset) * spec.strategy.local_epochs
+    metrics["round-examples"] = examples * spec.strategy.local_epochs
+    metrics["examples-held"] = examples
     metrics["round-steps"] = len(loader) * spec.strategy.local_epochs
     # The device's own wall time (waiting for the trunk is the trunk's, charged per round):
     # with devices.emulate, what virtual-s predicts.
@@ -627,6 +630,7 @@ def status_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
             metrics["epsilon"] = declined.epsilon_spent
         if isinstance(declined, MemoryBudgetExceeded):
             metrics["memory-budget"] = declined.budget_bytes
+            metrics["examples-held"] = declined.examples
         content = RecordDict({
             STATUS_KEY: ConfigRecord({"status": declined.kind, "reason": str(declined)}),
             "metrics": metrics,

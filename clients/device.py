@@ -51,10 +51,12 @@ class MemoryBudgetExceeded(DeviceFailure):
 
     kind = "memory"
 
-    def __init__(self, message: str, *, budget_bytes: int) -> None:
+    def __init__(self, message: str, *, budget_bytes: int, examples: int = 0) -> None:
         super().__init__(message)
         #: What the device has: the planner follows budgets that change.
         self.budget_bytes = budget_bytes
+        #: Examples in its data (per-example memory scales with them; 0: not counted).
+        self.examples = examples
 
 
 @dataclass(frozen=True)
@@ -79,13 +81,17 @@ class DevicePlan:
     fail_after_steps: int
     emulated: bool = True
 
-    def check_memory(self, needed_bytes: int, *, what: str) -> None:
-        """Decline the round if ``needed_bytes`` exceed the device's memory."""
+    def check_memory(self, needed_bytes: int, *, what: str, examples: int = 0) -> None:
+        """Decline the round if ``needed_bytes`` exceed the device's memory.
+
+        ``examples`` (the device's, when some of the memory is per example) goes with
+        the refusal, for the planner.
+        """
         if self.profile is not None and needed_bytes > self.profile.memory_bytes:
             raise MemoryBudgetExceeded(
                 f"{what} needs {needed_bytes / 2**20:.1f} MiB; {self.profile.name} has "
                 f"{self.profile.memory_bytes / 2**20:.1f} MiB",
-                budget_bytes=self.profile.memory_bytes,
+                budget_bytes=self.profile.memory_bytes, examples=examples,
             )
 
 

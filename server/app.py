@@ -172,7 +172,8 @@ def make_planning(cfg: DictConfig, trunk: Trunk, *, host_flops_per_s: float
     costs = [with_compression(replace(c, exchanges_per_batch=step.exchanges_per_batch,
                                       returns_gradient=step.receives_gradient),
                               uplink=encoding.uplink, downlink=encoding.downlink,
-                              topk_fraction=encoding.topk_fraction)
+                              topk_fraction=encoding.topk_fraction,
+                              error_feedback=encoding.error_feedback)
              for c in cut_costs(trunk.model, batch_size=cfg.strategy.batch_size, leak=leak,
                                 tail_cut=tail_cut_of(cfg.strategy, trunk.model),
                                 frees_output=step.frees_sent_output)

@@ -170,7 +170,8 @@ class CutPlanning:
         metrics = reply_metrics(reply)
         client = str(reply.metadata.src_node_id)
         if status == "memory" and "memory-budget" in metrics:
-            self.monitor.observe_memory(client, float(metrics["memory-budget"]))
+            self.monitor.observe_memory(client, float(metrics["memory-budget"]),
+                                        examples=int(metrics.get("examples-held", 0)))
         if status not in ("ok", "straggler"):
             return 0.0
         return self._observe_trained(client, metrics, assigned)
@@ -195,6 +196,7 @@ class CutPlanning:
             batches=int(metrics.get("round-steps", metrics["steps"])),
             loss=float(metrics["train-loss"]),
             label_coverage=float(metrics.get("label-coverage", 1.0)), cut=cost.cut,
+            examples=int(metrics.get("examples-held", 0)),
         )
         return samples * cost.server_flops_per_sample
 

@@ -66,6 +66,9 @@ class CutCost:
     gradient_bytes_per_sample : int | None
         Bytes of the gradient at the cut as it comes down, when its encoding
         differs from the activation's (:func:`with_compression`); None: as large.
+    reference_bytes_per_example : int
+        Memory the client holds per example of its data besides the batch's: uplink
+        error feedback's float32 reference (:func:`with_compression`); 0 without.
     """
 
     cut: int
@@ -80,23 +83,27 @@ class CutCost:
     exchanges_per_batch: int = 1
     returns_gradient: bool = True
     gradient_bytes_per_sample: int | None = None
+    reference_bytes_per_example: int = 0
 
 
-def with_compression(cost: CutCost, *, uplink: str, downlink: str, topk_fraction: float = 0.1
-                     ) -> CutCost:
+def with_compression(cost: CutCost, *, uplink: str, downlink: str, topk_fraction: float = 0.1,
+                     error_feedback: bool = False) -> CutCost:
     """Return ``cost`` with the cut's tensors as the data plane encodes them.
 
     ``smashed_bytes_per_sample`` (float32 values) becomes the ``uplink``
     encoding's bytes and the gradient's the ``downlink`` one's
     (:func:`splitlearn.communication.encoded_row_bytes`; int8 at its dense size,
-    an upper bound when activations have many zeros).
+    an upper bound when activations have many zeros). With ``error_feedback`` and a
+    lossy uplink the client also keeps a float32 row per example.
     """
     entries = cost.smashed_bytes_per_sample // 4
+    references = error_feedback and uplink != "none"
     return replace(
         cost,
         smashed_bytes_per_sample=encoded_row_bytes(entries, uplink, topk_fraction=topk_fraction),
         gradient_bytes_per_sample=encoded_row_bytes(entries, downlink,
                                                     topk_fraction=topk_fraction),
+        reference_bytes_per_example=4 * entries if references else 0,
     )
 
 
@@ -124,6 +131,8 @@ class ClientState:
         Statistical utility of its data (SmartSplit's selection), >= 0.
     current_cut : int | None
         The cut it held last round, if any (moving costs bytes).
+    examples : int
+        Examples in its local data (what per-example memory scales with); 0: unknown.
     """
 
     client: str
@@ -136,6 +145,7 @@ class ClientState:
     batches: int
     utility: float = 1.0
     current_cut: int | None = None
+    examples: int = 0
 
 
 @dataclass(frozen=True)
@@ -250,10 +260,15 @@ class RoundWork:
         return steps
 
 
+def needed_memory(client: ClientState, cost: CutCost, *, checkpoint: bool = False) -> int:
+    """Return the client's training memory at the cut: a batch's, and what it keeps per example."""
+    batch = cost.checkpointed_memory_bytes if checkpoint else cost.memory_bytes
+    return batch + cost.reference_bytes_per_example * client.examples
+
+
 def fits(client: ClientState, cost: CutCost, *, checkpoint: bool = False) -> bool:
     """Whether the cut's training memory fits the client's budget."""
-    needed = cost.checkpointed_memory_bytes if checkpoint else cost.memory_bytes
-    return needed <= client.memory_bytes
+    return needed_memory(client, cost, checkpoint=checkpoint) <= client.memory_bytes
 
 
 def makespan(

@@ -43,6 +43,7 @@ class _Estimates:
     batches: int | None = None
     label_coverage: float | None = None
     cut: int | None = None
+    examples: int | None = None
 
 
 class ClientMonitor:
@@ -78,6 +79,7 @@ class ClientMonitor:
         loss: float | None = None,
         label_coverage: float | None = None,
         cut: int | None = None,
+        examples: int | None = None,
     ) -> None:
         """Fold one round's measurements of ``client`` into its estimates.
 
@@ -128,11 +130,18 @@ class ClientMonitor:
             known.label_coverage = label_coverage
         if cut is not None:
             known.cut = cut
+        if examples:
+            known.examples = examples
 
-    def observe_memory(self, client: str, memory_bytes: float) -> None:
-        """Record the memory budget (bytes) a client reported, e.g. when it declined a cut."""
+    def observe_memory(self, client: str, memory_bytes: float, *, examples: int = 0) -> None:
+        """Record the memory budget (bytes) a client reported, e.g. when it declined a cut.
+
+        ``examples``, when it reported them, is how many examples its data holds.
+        """
         if memory_bytes > 0:
             self._known.setdefault(client, _Estimates()).memory_bytes = memory_bytes
+        if examples > 0:
+            self._known.setdefault(client, _Estimates()).examples = examples
 
     def state(self, client: str, prior: ClientState) -> ClientState:
         """Return ``prior`` with every field this monitor measured for ``client`` replaced.
@@ -151,6 +160,7 @@ class ClientMonitor:
             "samples": known.samples,
             "batches": known.batches,
             "current_cut": known.cut,
+            "examples": known.examples,
         }
         updates = {name: value for name, value in measured.items() if value is not None}
         return replace(prior, client=client, utility=self.utility(client), **updates)

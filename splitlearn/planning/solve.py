@@ -68,6 +68,7 @@ from splitlearn.planning.cost import (
     client_seconds,
     fits,
     makespan,
+    needed_memory,
     trunk_seconds,
 )
 
@@ -162,9 +163,10 @@ def client_options(
 
 def memory_reason(client: ClientState, cuts: Sequence[CutCost], *, allow_checkpoint: bool) -> str:
     """Explain why no allowed cut fits ``client``: the least memory any needs vs its budget."""
-    needs = [(cost.memory_bytes, cost.cut, False) for cost in cuts]
+    needs = [(needed_memory(client, cost), cost.cut, False) for cost in cuts]
     if allow_checkpoint:
-        needs += [(cost.checkpointed_memory_bytes, cost.cut, True) for cost in cuts]
+        needs += [(needed_memory(client, cost, checkpoint=True), cost.cut, True)
+                  for cost in cuts]
     need, cut, checkpoint = min(needs)
     how = " with checkpointing" if checkpoint else ""
     return (

@@ -207,6 +207,9 @@ def test_memory_budget_is_checked_with_numbers():
     DevicePlan(replace(PHONE, memory_bytes=needed), True, -1).check_memory(needed, what=what)
     DevicePlan(None, True, -1).check_memory(2**60, what=what)  # no profile: no limit
     assert MemoryBudgetExceeded.kind == "memory"
+    with pytest.raises(MemoryBudgetExceeded) as declined:  # the planner learns the data's size
+        tight.check_memory(needed, what=what, examples=144)
+    assert declined.value.examples == 144 and declined.value.budget_bytes == needed - 1
 
 
 # --- emulation: the pacer sleeps off what the device would have needed more --------------------

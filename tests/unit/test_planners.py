@@ -491,3 +491,32 @@ def test_the_cut_costs_follow_the_data_planes_encoding() -> None:
     plain = solve([device], [shallow, deep], trunk_flops_per_s=1e9)
     compressed = solve([device], encoded, trunk_flops_per_s=1e9)
     assert plain.cut_of("phone") == 2 and compressed.cut_of("phone") == 1
+
+
+def test_error_feedbacks_references_count_in_a_cuts_memory() -> None:
+    """Uplink error feedback keeps a float32 row per example on the device: a device whose
+    batch fits at the shallow cut, but not with a reference per example of its big
+    activations, is given the deep cut; unknown example counts charge nothing."""
+    from splitlearn.planning.cost import fits, with_compression
+
+    shallow = cut_cost(1, client_flops=1.0, server_flops=9.0, smashed=4 * 1000, memory=100)
+    deep = cut_cost(2, client_flops=5000.0, server_flops=8.0, smashed=4 * 10, memory=200)
+    costs = [with_compression(c, uplink="topk", downlink="topk", error_feedback=True)
+             for c in (shallow, deep)]
+    assert [c.reference_bytes_per_example for c in costs] == [4000, 40]
+    assert with_compression(shallow, uplink="none", downlink="topk",
+                            error_feedback=True).reference_bytes_per_example == 0
+    device = replace(client_state("phone", memory=100 + 4000 * 50 - 1), examples=50)
+    assert not fits(device, costs[0]) and fits(device, costs[1])
+    assert fits(replace(device, examples=0), costs[0])  # examples unknown: not charged
+    assert solve([device], costs, trunk_flops_per_s=1e9).cut_of("phone") == 2
+    assert solve([replace(device, examples=0)], costs, trunk_flops_per_s=1e9).cut_of("phone") == 1
+
+
+def test_monitor_learns_how_many_examples_a_device_holds() -> None:
+    monitor = ClientMonitor()
+    monitor.observe_memory("declined", 5e8, examples=144)
+    monitor.observe("trained", **ROUND, examples=90)
+    assert monitor.state("declined", PRIOR).examples == 144
+    assert monitor.state("trained", PRIOR).examples == 90
+    assert monitor.state("unknown", PRIOR).examples == PRIOR.examples == 0
