@@ -225,8 +225,8 @@ class SplitSession:
     def __init__(self, pool: SharedTrunk | TrunkPerClient, *, limits: DataPlaneConfig) -> None:
         self.pool = pool
         self.limits = limits
-        self._encode = encoder(limits.compression, "downlink")  # the gradient at the cut
         compression = limits.compression
+        self._encode = encoder(compression, "downlink")  # the gradient at the cut
         #: Every client's per-example error feedback, kept across rounds (None: not used).
         self.feedback = (FeedbackBook(uplink=compression.uplink_feedback,
                                       downlink=compression.downlink_feedback,

@@ -380,15 +380,19 @@ class TrunkChannel:
             feedback.references.admit(ids, tuple(activations.shape[1:]))
         except FeedbackFull as err:
             raise ValueError(f"error feedback: {err}") from None
-        frame = self._encode(feedback.difference(ids, activations.detach().float()))
-        # What the trunk will train on: it decodes these same bytes onto its same reference.
-        agreed = feedback.reconstruct(ids, decode_tensor(
-            frame, name="activations", max_bytes=self.max_frame_bytes).float())
+        # ``agreed`` is what the trunk trains on: it decodes these bytes onto the same reference.
+        frame, agreed = feedback.encode(ids, activations.detach().float(), self._round_trip)
         reply = self._call("gradient", "forward", activations=frame,
                            labels=encode_tensor(labels), example_ids=encode_tensor(ids),
                            feedback_version=feedback.version)
         feedback.commit(ids, agreed)  # the trunk took the batch: both references moved
         return reply
+
+    def _round_trip(self, activations: torch.Tensor) -> tuple[Frame, torch.Tensor]:
+        """Encode ``activations``; return the frame and what the trunk will decode from it."""
+        frame = self._encode(activations)
+        return frame, decode_tensor(frame, name="activations",
+                                    max_bytes=self.max_frame_bytes).float()
 
     def evaluate(self, activations: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
         """Mean loss and hits of one batch, without an update."""

@@ -79,9 +79,7 @@ class ExampleRows:
         FeedbackFull
             If the rows were stored with another shape.
         """
-        if not self.holds(row_shape):
-            raise FeedbackFull(f"rows of shape {tuple(row_shape)} against the stored "
-                               f"{tuple(self._rows.shape[1:])}")
+        self._check_shape(row_shape)
         slots = [self._slots.get(i, -1) for i in ids.tolist()]
         out = torch.zeros(len(slots), *row_shape)
         known = [n for n, s in enumerate(slots) if s >= 0]
@@ -98,14 +96,12 @@ class ExampleRows:
             If the rows would take more than ``max_bytes``, or have another shape than the
             rows already stored (nothing changes then).
         """
-        if not self.holds(row_shape):
-            raise FeedbackFull(f"rows of shape {tuple(row_shape)} against the stored "
-                               f"{tuple(self._rows.shape[1:])}")
+        self._check_shape(row_shape)
         new = [i for i in dict.fromkeys(ids.tolist()) if i not in self._slots]
         row_bytes = 4 * max(1, torch.Size(row_shape).numel())
         count = len(self._slots) + len(new)
         if count * row_bytes > self.max_bytes:
-            raise FeedbackFull(f"{count} examples of {row_bytes} bytes exceed the session's "
+            raise FeedbackFull(f"{count} examples of {row_bytes} bytes exceed the bound of "
                                f"{self.max_bytes} bytes (dataplane.compression.feedback_max_mib)")
         if not len(self._slots):
             self._rows = torch.zeros(0, *row_shape)
@@ -116,6 +112,11 @@ class ExampleRows:
             self._rows = grown
         for key in new:
             self._slots[key] = len(self._slots)
+
+    def _check_shape(self, row_shape: tuple[int, ...]) -> None:
+        if not self.holds(row_shape):
+            raise FeedbackFull(f"rows of shape {tuple(row_shape)} against the stored "
+                               f"{tuple(self._rows.shape[1:])}")
 
     def state(self) -> dict[str, Tensor]:
         """Return the stored ids and their rows (for keeping them between rounds)."""
@@ -148,9 +149,17 @@ class UplinkFeedback:
         #: Batches the references absorbed since they were zero (0: none).
         self.version = 0
 
-    def difference(self, ids: Tensor, activations: Tensor) -> Tensor:
-        """Return what the device compresses and sends: each row minus its reference."""
-        return activations - self.references.rows(ids, tuple(activations.shape[1:]))
+    def encode(self, ids: Tensor, activations: Tensor, round_trip: RoundTrip
+               ) -> tuple[object, Tensor]:
+        """Return the frame the device sends and the activations both sides then agree on.
+
+        The frame encodes each row minus its reference (``round_trip`` encodes it and
+        decodes the frame, as the trunk will); the agreed rows are reference + that
+        decoding, what the trunk's :meth:`reconstruct` gives.
+        """
+        reference = self.references.rows(ids, tuple(activations.shape[1:]))
+        frame, sent = round_trip(activations - reference)
+        return frame, reference + sent
 
     def reconstruct(self, ids: Tensor, received: Tensor) -> Tensor:
         """Return the activations both sides agree on: reference + the decoded difference."""
