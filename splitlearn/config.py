@@ -110,7 +110,8 @@ class CompressionConfig:
     # Make up what compression drops on the example's next visit (split protocols; the
     # device sends each row's example id): see splitlearn/dataplane/feedback.py.
     error_feedback: bool = False
-    # Trunk: all clients' rows together (least recently served dropped first); device: its own.
+    # Trunk: all clients' rows together (past it, clients over an equal share are dropped,
+    # least recently served first); device: its own.
     feedback_max_mib: float = 256.0
 
     def __post_init__(self) -> None:

@@ -286,8 +286,8 @@ class SplitSession:
             memory.uplink.commit(ids, acts)
         frame = (self._encode(result.grad) if memory.downlink is None
                  else memory.downlink.compress(ids, result.grad, self._round_trip))
-        self.feedback.keep(client, memory)
-        return self._gradient(result, frame)
+        dropped = self.feedback.keep(client, memory)
+        return self._gradient(result, frame, feedback_dropped=dropped)
 
     def _round_trip(self, grad: Tensor) -> tuple[object, Tensor]:
         """Encode the gradient; return its frame and what the client will decode from it."""
@@ -295,9 +295,10 @@ class SplitSession:
         return frame, decode_tensor(frame, name="grad", max_bytes=self.limits.max_frame_bytes)
 
     @staticmethod
-    def _gradient(result: StepResult, frame: object) -> AnyReply:
+    def _gradient(result: StepResult, frame: object, *, feedback_dropped: bool = False
+                  ) -> AnyReply:
         return reply("gradient", grad=frame, loss=float(result.losses.mean()),
-                     correct=int(result.hits.sum()))
+                     correct=int(result.hits.sum()), feedback_dropped=feedback_dropped)
 
     def attach(self, session: Session) -> None:
         """Nothing kept per stream."""

@@ -386,6 +386,8 @@ class TrunkChannel:
                            labels=encode_tensor(labels), example_ids=encode_tensor(ids),
                            feedback_version=feedback.version)
         feedback.commit(ids, agreed)  # the trunk took the batch: both references moved
+        if reply.gradient.feedback_dropped:  # then dropped its side: start over, in step
+            self.feedback = UplinkFeedback(max_bytes=self._feedback_max_bytes)
         return reply
 
     def _round_trip(self, activations: torch.Tensor) -> tuple[Frame, torch.Tensor]:

@@ -242,8 +242,12 @@ class ClientFeedback:
 class FeedbackBook:
     """Every client's error feedback on the trunk, across rounds, within one memory budget.
 
-    When the clients' rows outgrow ``max_bytes``, the least recently served clients'
-    are dropped (their next batch is refused as stale, and they start over from zero).
+    When the clients' rows outgrow ``max_bytes``, clients' rows are dropped, the least
+    recently served first, among those holding more than an equal share of the budget
+    (``max_bytes`` over the clients held). So a client within its share is never dropped
+    to make room for another, and one that sends many distinct ids can only push out its
+    own rows. A dropped client starts over from zero: told so in the reply if it was the
+    one served (:meth:`keep`), else by a stale refusal of its next batch.
 
     Parameters
     ----------
@@ -300,14 +304,31 @@ class FeedbackBook:
         memory.admit(ids, row_shape)
         return memory
 
-    def keep(self, client: str, memory: ClientFeedback) -> None:
-        """Hold ``memory`` as ``client``'s (after its batch was applied); evict to the budget."""
+    def keep(self, client: str, memory: ClientFeedback) -> bool:
+        """Hold ``memory`` as ``client``'s (after its batch was applied); evict to the budget.
+
+        Returns whether ``client``'s own memory was dropped (it held more than its share,
+        and no less recently served client did): its device should start over from zero.
+        """
         with self._lock:
             self._clients[client] = memory
             self._clients.move_to_end(client)
             size = memory.nbytes
             self._bytes += size - self._sizes.get(client, 0)
             self._sizes[client] = size
-            while self._bytes > self.max_bytes and len(self._clients) > 1:
-                dropped, _ = self._clients.popitem(last=False)
-                self._bytes -= self._sizes.pop(dropped)
+            while self._bytes > self.max_bytes:
+                self._drop(self._over_share())
+            return client not in self._clients
+
+    def _over_share(self) -> str:
+        """Return the least recently served client holding more than an equal share.
+
+        One exists while the book is over budget: were every client within its share,
+        together they would be within the budget.
+        """
+        share = self.max_bytes / len(self._clients)
+        return next(c for c in self._clients if self._sizes[c] > share)
+
+    def _drop(self, client: str) -> None:
+        del self._clients[client]
+        self._bytes -= self._sizes.pop(client)

@@ -89,14 +89,16 @@ class Request(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., forward: _Optional[_Union[Forward, _Mapping]] = ..., evaluate: _Optional[_Union[Evaluate, _Mapping]] = ..., backward: _Optional[_Union[Backward, _Mapping]] = ..., smashed: _Optional[_Union[Smashed, _Mapping]] = ...) -> None: ...
 
 class Gradient(_message.Message):
-    __slots__ = ("grad", "loss", "correct")
+    __slots__ = ("grad", "loss", "correct", "feedback_dropped")
     GRAD_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     CORRECT_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_DROPPED_FIELD_NUMBER: _ClassVar[int]
     grad: Tensor
     loss: float
     correct: int
-    def __init__(self, grad: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ...) -> None: ...
+    feedback_dropped: bool
+    def __init__(self, grad: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., feedback_dropped: _Optional[bool] = ...) -> None: ...
 
 class Metrics(_message.Message):
     __slots__ = ("loss", "correct")

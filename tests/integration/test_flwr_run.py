@@ -136,7 +136,8 @@ RAY_START_TIMEOUT = "The current node timed out during startup"
 
 def test_flwr_run_trains_with_the_same_apps_and_trunk_workers(tmp_path, local_superlink):
     """The ServerApp as the SuperLink starts it, with its trunk sharded over two worker
-    processes (the ServerApp's children), which stop with it."""
+    processes (the ServerApp's children), which stop with it; the cut's tensors travel as
+    top-k with error feedback, whose memory each worker keeps for its clients."""
     env, flwr = local_superlink, FLWR
     for attempt in (1, 2):
         run_dir = tmp_path / f"run-{attempt}"
@@ -153,6 +154,10 @@ def test_flwr_run_trains_with_the_same_apps_and_trunk_workers(tmp_path, local_su
     assert all(r["clients"] == 3 and r["failed_clients"] == 0 for r in rounds[1:])
     assert rounds[2]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.2
     assert json.loads((run_dir / "config.json").read_text())["strategy"]["num_rounds"] == 2
+    # 8 KiB of activations per example at cut 1; top-k keeps a tenth at 4 bytes a value
+    # (plus the example's id and label): under 1 KiB, had any batch gone twice or dense.
+    for r in rounds[1:]:
+        assert r["bytes_up"] - r["weights_bytes_up"] < 1024 * r["examples"]
     # The ServerApp keeps its log in the run folder, as under experiments.run; it names the
     # trunk workers.
     log = (run_dir / "run.log").read_text()
@@ -163,12 +168,14 @@ def test_flwr_run_trains_with_the_same_apps_and_trunk_workers(tmp_path, local_su
 
 
 def submit_run(flwr: Path, env: dict[str, str], run_dir: Path) -> int:
-    """Submit 2 rounds of the default job on 3 simulated nodes; return the run's id.
+    """Submit 2 rounds of the default job (top-k with error feedback at the cut) on 3
+    simulated nodes; return the run's id.
 
     Without ``--stream``: ``flwr run`` submits the run and returns; the SuperLink's record
     says when it is over (a log stream was seen to outlive its run by minutes under load).
     """
-    overrides = "strategy.num_rounds=2 logger=none dataplane.trunk_workers=2"
+    overrides = ("strategy.num_rounds=2 logger=none dataplane.trunk_workers=2 "
+                 "compression=topk_feedback")
     proc = subprocess.run(
         [str(flwr), "run", ".",
          "--run-config", f'overrides="{overrides}" run-dir="{run_dir}"',

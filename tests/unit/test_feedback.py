@@ -21,6 +21,7 @@ from splitlearn.dataplane.feedback import (
     ExampleRows,
     FeedbackBook,
     FeedbackFull,
+    StaleFeedback,
     UplinkFeedback,
 )
 from tests.conftest import digits_like_model
@@ -220,6 +221,35 @@ def test_the_trunk_drops_the_least_recently_served_clients_past_its_budget(trunk
     assert sent.versions == [1, 0] and book["a"].uplink.version == 1
 
 
+def test_a_client_flooding_ids_drops_its_own_rows_and_is_told_so(trunk_server_factory):
+    """Two devices hold 4 rows each in a budget for 12.5; a third sends new ids every batch.
+    Past its share it loses its own rows, not theirs, and the reply tells it to start over
+    (so it sends at version 0, without a stale refusal first)."""
+    row = 32 * 8 * 8 * 4
+    compression = CompressionConfig(uplink="topk", downlink="none", error_feedback=True,
+                                    feedback_max_mib=12.5 * row / 2**20)
+    server = trunk_server_factory(digits_like_model(), limits=limits(compression))
+    channels = {c: server.local_channel(server.token(CUT, client=c), compression=TOPK)
+                for c in ("a", "b", "x")}
+    acts, labels, ids = batch(0, [0, 1, 2, 3])
+    for name in ("a", "b"):
+        channels[name].forward(acts, labels, example_ids=ids)
+    book, flood = server.handler.feedback, channels["x"]
+    flood.forward(acts, labels, example_ids=ids + 100)
+    assert "x" in book and flood.feedback.version == 1
+    flood.forward(acts, labels, example_ids=ids + 200)  # 8 rows: past 12.5 / 3
+    assert "x" not in book and flood.feedback.version == 0 and len(flood.feedback.references) == 0
+    assert "a" in book and "b" in book and book.nbytes <= 12.5 * row
+    sent = RecordingSends(flood)
+    flood.forward(acts, labels, example_ids=ids + 300)
+    assert sent.versions == [0]  # started over in step with the trunk: no stale refusal
+    for name in ("a", "b"):  # the others' references are where they left them
+        sent = RecordingSends(channels[name])
+        channels[name].forward(acts, labels, example_ids=ids)
+        assert sent.versions == [1] and book[name].uplink.version == 2
+    assert server.trunk.steps == 7
+
+
 def test_a_new_cut_starts_the_references_over(trunk_server_factory):
     """An adaptive planner moved the device's cut: rows of the old shape are not reused."""
     server = trunk_server_factory(digits_like_model(), limits=limits(TOPK))
@@ -342,7 +372,6 @@ def test_the_book_stays_within_its_budget_and_versions_only_move_forward(batches
     rows, which its own bound caps), and a kept client's version is its batches since zero."""
     row = (3,)
     book = FeedbackBook(uplink=True, downlink=True, max_bytes=budget_rows * 12)
-    sent: dict[str, int] = {}
     for client, ids in batches:
         version = book[client].uplink.version if client in book else 0
         try:
@@ -351,11 +380,44 @@ def test_the_book_stays_within_its_budget_and_versions_only_move_forward(batches
             continue
         memory.uplink.commit(torch.tensor(ids), torch.ones(len(ids), 3))
         memory.downlink.residuals.store(torch.tensor(ids), torch.ones(len(ids), 3))
-        book.keep(client, memory)
-        sent[client] = version + 1
-        assert book[client].uplink.version == sent[client]
+        if book.keep(client, memory):  # it held more than its share: dropped at once
+            assert client not in book
+        else:
+            assert book[client].uplink.version == version + 1
         assert book.nbytes == sum(book[c].nbytes for c in "abcd" if c in book)
-        assert book.nbytes <= budget_rows * 12 or len(book._clients) == 1
+        assert book.nbytes <= budget_rows * 12
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.one_of(
+    st.tuples(st.sampled_from("abc"), st.lists(st.integers(0, 3), min_size=1, max_size=4,
+                                               unique=True)),
+    st.tuples(st.just("x"), st.lists(st.integers(0, 10**6), min_size=1, max_size=8,
+                                     unique=True))), min_size=1, max_size=40))
+def test_a_client_within_its_share_is_never_dropped_for_another(batches):
+    """Clients a, b, c send at most 4 distinct ids, x floods with new ones: whatever the
+    order, the honest clients keep their references, and x only ever loses its own."""
+    row, honest_bytes = (3,), 2 * 8 * 12  # both directions, capacity of at most 8 rows each
+    book = FeedbackBook(uplink=True, downlink=True, max_bytes=4 * honest_bytes)  # 4 clients
+    versions: dict[str, int] = {}
+    for client, ids in batches:
+        version = versions.get(client, 0)
+        try:
+            try:
+                memory = book.prepare(client, torch.tensor(ids), row, version=version)
+            except StaleFeedback:  # dropped while another was served: the channel restarts
+                assert client == "x"
+                memory = book.prepare(client, torch.tensor(ids), row, version=0)
+                version = 0
+        except FeedbackFull:  # x's rows alone past the whole budget
+            assert client == "x"
+            continue
+        memory.uplink.commit(torch.tensor(ids), torch.ones(len(ids), 3))
+        memory.downlink.residuals.store(torch.tensor(ids), torch.ones(len(ids), 3))
+        dropped = book.keep(client, memory)
+        versions[client] = 0 if dropped else version + 1  # as the channel restarts
+        assert all(c in book for c in versions if c != "x"), "an honest client was dropped"
+        assert book.nbytes <= book.max_bytes
 
 
 @settings(max_examples=60, deadline=None)
