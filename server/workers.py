@@ -17,6 +17,10 @@ checkpoints, resume) and is copied to the workers before the next sessions start
 With one client per worker and no momentum a round is exactly SplitFed v1's; with
 one worker it would be SplitFed v2's (that case runs in the ServerApp's process).
 
+With error feedback (``dataplane.compression.error_feedback``) each worker keeps the
+memory of the clients it served; a client dealt to another worker in a later round (the
+round's clients differ) has its memory moved there first, so it carries on where it was.
+
 A worker is driven over a pipe: each command is answered before the next is sent,
 and tensors travel as ``torch.save`` bytes (torch's own pickling of tensors through
 a pipe would move them through shared memory the sender must keep alive).
@@ -44,6 +48,7 @@ from server.sessions.merge import StageCopy, client_copy, client_stages, merge_s
 from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, DatasetConfig, ModelConfig, StrategyConfig
 from splitlearn.dataplane import TokenRegistry, TrunkEndpoint, TrunkService
+from splitlearn.dataplane.feedback import FeedbackBook
 from splitlearn.dataplane.tokens import SessionGrant
 
 log = logging.getLogger(__name__)
@@ -118,10 +123,12 @@ def unpack(data: bytes) -> Any:
 class WorkerCommands:
     """What a worker process does on the ServerApp's commands (its trunk and its tokens)."""
 
-    def __init__(self, trunk: Trunk, tokens: TokenRegistry, endpoint: TrunkEndpoint) -> None:
+    def __init__(self, trunk: Trunk, tokens: TokenRegistry, endpoint: TrunkEndpoint,
+                 feedback: FeedbackBook | None = None) -> None:
         self.trunk = trunk
         self.tokens = tokens
         self.endpoint = endpoint
+        self.feedback = feedback
 
     def grant(self, token: str, grant: SessionGrant) -> None:
         """Accept a token the ServerApp issued for a client dealt to this worker."""
@@ -142,6 +149,17 @@ class WorkerCommands:
         self.trunk.load_stages(state["stages"])
         self.trunk.load_momentum(state["momentum"])
 
+    def take_feedback(self, client: str) -> bytes | None:
+        """Release ``client``'s error-feedback memory (None if this worker holds none)."""
+        assert self.feedback is not None
+        state = self.feedback.release(client)
+        return None if state is None else pack(state)
+
+    def give_feedback(self, client: str, data: bytes) -> None:
+        """Hold ``client``'s error-feedback memory, released by another worker."""
+        assert self.feedback is not None
+        self.feedback.adopt(client, unpack(data))
+
     def refusals(self) -> dict[str, int]:
         """Frames this worker's endpoint refused, by reason."""
         return dict(self.endpoint.refusals)
@@ -154,14 +172,14 @@ def serve_worker(recipe: TrunkRecipe, port: int, conn: Connection) -> None:
     pipe closes (the ServerApp's process died), so no worker outlives its run.
     """
     torch.set_num_threads(recipe.limits.trunk_threads)
-    trunk, _, tokens, endpoint = recipe.build()
+    trunk, handler, tokens, endpoint = recipe.build()
     limits = recipe.limits
     service = TrunkService(endpoint, host=limits.host, port=port,
                            advertise_host=limits.advertise_host,
                            max_streams=limits.max_streams,
                            server_credentials=server_credentials(limits))
     service.start()
-    commands = WorkerCommands(trunk, tokens, endpoint)
+    commands = WorkerCommands(trunk, tokens, endpoint, getattr(handler, "feedback", None))
     conn.send(service.address)
     try:
         while True:
@@ -259,6 +277,9 @@ class TrunkWorkers:
         self._held: dict[str, TrunkWorker] = {}  # token -> the worker that holds it
         self._held_lock = threading.Lock()
         self._stale = True  # the workers' copies differ from the ServerApp's trunk
+        #: With error feedback: the worker holding each client's memory (it served it last).
+        self._feedback_at: dict[str, TrunkWorker] | None = (
+            {} if recipe.limits.compression.error_feedback else None)
         tokens.on_revoke(self._forward_revocations)
 
     @staticmethod
@@ -309,10 +330,23 @@ class TrunkWorkers:
             self._deal = itertools.cycle(self._workers)
             self._dealing_round = grant.server_round
         worker = next(self._deal)
+        self._move_feedback(grant.client, to=worker)
         worker.call("grant", token, grant)
         with self._held_lock:
             self._held[token] = worker
         return worker.address
+
+    def _move_feedback(self, client: str, *, to: TrunkWorker) -> None:
+        """Move ``client``'s error-feedback memory to the worker it is dealt to now."""
+        if self._feedback_at is None:
+            return
+        held_by = self._feedback_at.get(client)
+        self._feedback_at[client] = to
+        if held_by is None or held_by is to:
+            return
+        data = held_by.call("take_feedback", client)
+        if data is not None:  # else dropped there to stay within the budget
+            to.call("give_feedback", client, data)
 
     def _sync(self) -> None:
         if not self._stale:

@@ -238,6 +238,27 @@ class ClientFeedback:
         return ([self.uplink.references] if self.uplink else []) + (
             [self.downlink.residuals] if self.downlink else [])
 
+    def state(self) -> dict[str, dict[str, Tensor]]:
+        """Return each direction's rows (and the uplink's version), to move them elsewhere."""
+        state = {}
+        if self.uplink is not None:
+            state["uplink"] = self.uplink.state()
+        if self.downlink is not None:
+            state["downlink"] = self.downlink.residuals.state()
+        return state
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Mapping[str, Tensor]], *, uplink: bool,
+                   downlink: bool, max_bytes: int) -> ClientFeedback:
+        """Rebuild what :meth:`state` returned (raises :class:`FeedbackFull` past the bound)."""
+        memory = cls(uplink=uplink, downlink=downlink, max_bytes=max_bytes)
+        if memory.uplink is not None:
+            memory.uplink.references.load(state["uplink"])
+            memory.uplink.version = int(state["uplink"]["version"])
+        if memory.downlink is not None:
+            memory.downlink.residuals.load(state["downlink"])
+        return memory
+
 
 class FeedbackBook:
     """Every client's error feedback on the trunk, across rounds, within one memory budget.
@@ -319,6 +340,24 @@ class FeedbackBook:
             while self._bytes > self.max_bytes:
                 self._drop(self._over_share())
             return client not in self._clients
+
+    def release(self, client: str) -> dict[str, dict[str, Tensor]] | None:
+        """Stop holding ``client``'s memory and return its :meth:`ClientFeedback.state`.
+
+        None if none is held. For another trunk that will serve the client (:meth:`adopt`).
+        """
+        with self._lock:
+            if client not in self._clients:
+                return None
+            memory = self._clients[client]
+            self._drop(client)
+        return memory.state()
+
+    def adopt(self, client: str, state: Mapping[str, Mapping[str, Tensor]]) -> None:
+        """Hold the memory another trunk released (:meth:`release`), as if it had served it."""
+        memory = ClientFeedback.from_state(state, uplink=self.uplink, downlink=self.downlink,
+                                           max_bytes=self.max_bytes)
+        self.keep(client, memory)
 
     def _over_share(self) -> str:
         """Return the least recently served client holding more than an equal share.

@@ -10,8 +10,10 @@ merged by samples), round by round.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+from collections.abc import Iterator
 from contextlib import closing
 
 import pytest
@@ -22,9 +24,10 @@ from server.app import build_trunk, trunk_recipe
 from server.sessions.split import train_on_batch
 from server.trunk import Trunk
 from server.workers import TrunkWorkers, WorkerError
+from splitlearn.config import CompressionConfig
 from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
 from tests.conftest import small_config
-from tests.helpers import max_param_diff
+from tests.helpers import RecordingSends, max_param_diff
 from tests.integration.test_simulation import read_clients
 
 CUT = 1
@@ -47,20 +50,30 @@ def batch_at_cut(trunk: Trunk, seed: int, size: int = 8) -> tuple[torch.Tensor, 
     return acts, torch.randint(0, 10, (size,), generator=g)
 
 
-def channel(address: str, token: str) -> TrunkChannel:
+def channel(address: str, token: str, compression: CompressionConfig | None = None
+            ) -> TrunkChannel:
     return TrunkChannel(GrpcTransport(address, token, max_frame_bytes=1 << 22),
-                        max_frame_bytes=1 << 22, reply_timeout_s=30)
+                        max_frame_bytes=1 << 22, reply_timeout_s=30, compression=compression)
+
+
+@contextlib.contextmanager
+def two_workers(*overrides: str) -> Iterator[TrunkWorkers]:
+    """Two trunk workers of the small config; none left running after."""
+    cfg = small_config(*overrides, "dataplane.trunk_workers=2")
+    trunk, _, tokens, _ = build_trunk(cfg)
+    pool = TrunkWorkers(trunk, tokens, trunk_recipe(cfg), workers=2)
+    try:
+        yield pool
+    finally:
+        pids = pool.pids
+        pool.stop()
+    assert not any(alive(pid) for pid in pids)
 
 
 @pytest.fixture
 def workers():
-    cfg = small_config("strategy.momentum=0.9", "dataplane.trunk_workers=2")
-    trunk, _, tokens, _ = build_trunk(cfg)
-    pool = TrunkWorkers(trunk, tokens, trunk_recipe(cfg), workers=2)
-    yield pool
-    pids = pool.pids
-    pool.stop()
-    assert not any(alive(pid) for pid in pids)
+    with two_workers("strategy.momentum=0.9") as pool:
+        yield pool
 
 
 def reference_copy(trunk: Trunk) -> Trunk:
@@ -118,6 +131,34 @@ def test_each_worker_steps_its_clients_and_the_merge_averages_weights_and_moment
         grad, _, _ = ch.forward(acts, labels)
     torch.testing.assert_close(grad, train_on_batch(ref, CUT, acts, labels).grad,
                                rtol=1e-5, atol=1e-7)
+
+
+def test_a_client_dealt_to_another_worker_brings_its_error_feedback_along():
+    """Round 1 deals a and b to workers 0 and 1, round 2 deals b first: each client's
+    references and residuals move to its new worker, so its next batch carries on at its
+    version (not refused as stale and started over from zero)."""
+    topk = CompressionConfig(uplink="topk", downlink="topk", error_feedback=True)
+    with two_workers("compression=topk_feedback") as workers:
+        trunk, tokens = workers.trunk, workers.tokens
+        acts, labels = batch_at_cut(trunk, 0)
+        ids = torch.arange(len(labels))
+        kept, dealt = {}, {}
+        for server_round, order in ((1, "ab"), (2, "ba")):
+            issued = {c: tokens.issue(client=c, protocol="splitfed_v2", cut=CUT,
+                                      server_round=server_round, ttl_s=60) for c in order}
+            addresses = {c: workers.route(t) for c, t in issued.items()}
+            dealt[server_round] = addresses
+            for client, token in issued.items():
+                with closing(channel(addresses[client], token, topk)) as ch:
+                    if client in kept:
+                        ch.feedback = kept[client]
+                    sent = RecordingSends(ch)
+                    for _ in range(2):
+                        ch.forward(acts, labels, example_ids=ids)
+                    kept[client] = ch.feedback
+                assert sent.versions == [2 * server_round - 2, 2 * server_round - 1]
+            tokens.revoke_round(server_round)
+        assert dealt[2]["a"] == dealt[1]["b"] != dealt[1]["a"] == dealt[2]["b"]
 
 
 def test_a_worker_that_dies_is_reported_with_its_pid(workers):

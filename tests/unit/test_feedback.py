@@ -25,7 +25,7 @@ from splitlearn.dataplane.feedback import (
     UplinkFeedback,
 )
 from tests.conftest import digits_like_model
-from tests.helpers import send_raw
+from tests.helpers import RecordingSends, send_raw
 
 MAX = 1 << 22
 
@@ -188,20 +188,6 @@ def test_a_device_behind_the_trunk_is_refused_as_stale_and_starts_over_from_zero
     assert server.trunk.steps == 3
 
 
-class RecordingSends:
-    """Keeps the ``feedback_version`` of every frame a channel sends."""
-
-    def __init__(self, channel) -> None:
-        self.versions: list[int] = []
-        send = channel.transport.send
-
-        def recording(data: bytes) -> None:
-            self.versions.append(pb.Request.FromString(data).forward.feedback_version)
-            send(data)
-
-        channel.transport.send = recording
-
-
 def test_the_trunk_drops_the_least_recently_served_clients_past_its_budget(trunk_server_factory):
     """Three clients' rows in a budget for two: the first is dropped, and starts over."""
     row = 32 * 8 * 8 * 4
@@ -248,6 +234,31 @@ def test_a_client_flooding_ids_drops_its_own_rows_and_is_told_so(trunk_server_fa
         channels[name].forward(acts, labels, example_ids=ids)
         assert sent.versions == [1] and book[name].uplink.version == 2
     assert server.trunk.steps == 7
+
+
+def test_memory_moved_to_another_trunk_carries_on_where_it_was(trunk_server_factory):
+    """What trunk workers do with a client dealt elsewhere: the next batch is not stale, and
+    the new trunk trains on the references and residuals the first one left."""
+    first, second = (trunk_server_factory(digits_like_model(), limits=limits(TOPK))
+                     for _ in range(2))
+    channel = first.local_channel(first.token(CUT, client="a"), compression=TOPK)
+    acts, labels, ids = batch(0, [0, 1, 2, 3])
+    for _ in range(2):
+        channel.forward(acts, labels, example_ids=ids)
+    left = first.handler.feedback["a"]
+    second.handler.feedback.adopt("a", first.handler.feedback.release("a"))
+    assert "a" not in first.handler.feedback and first.handler.feedback.nbytes == 0
+    moved = second.handler.feedback["a"]
+    assert moved.uplink.version == 2 and second.handler.feedback.nbytes == moved.nbytes
+    for rows, kept in ((moved.uplink.references, left.uplink.references),
+                       (moved.downlink.residuals, left.downlink.residuals)):
+        assert torch.equal(rows.rows(ids, (32, 8, 8)), kept.rows(ids, (32, 8, 8)))
+    there = second.local_channel(second.token(CUT, client="a"), compression=TOPK)
+    there.feedback = channel.feedback
+    sent = RecordingSends(there)
+    there.forward(acts, labels, example_ids=ids)
+    assert sent.versions == [2] and moved.uplink.version == 3
+    assert first.handler.feedback.release("a") is None  # nothing held: nothing to move
 
 
 def test_a_new_cut_starts_the_references_over(trunk_server_factory):
