@@ -181,16 +181,17 @@ def check_error_feedback(config: Config, protocol: Protocol) -> None:
     """Refuse ``dataplane.compression.error_feedback`` where it is not built or not private.
 
     Error feedback keys its memory by each row's example id, which the device sends with
-    the batch: built for the split protocols (the trunk holds the loss and returns the
-    gradient of every row), and not with activation noise, whose accounting assumes the
-    trunk cannot tell which noised rows are the same example.
+    the batch: built for the protocols whose every batch is a round trip through the
+    trunk (the split protocols and U-shaped), and not with activation noise, whose
+    accounting assumes the trunk cannot tell which noised rows are the same example.
     """
     if not config.dataplane.compression.error_feedback:
         return
-    if not issubclass(protocol.client, SplitStep):
+    if not issubclass(protocol.client, (SplitStep, UShapedStep)):
         raise ValueError(
             "dataplane.compression.error_feedback=true is built for the split protocols "
-            f"(splitfed_v1, splitfed_v2, sglr, sequential), not strategy={protocol.name}"
+            f"(splitfed_v1, splitfed_v2, sglr, sequential) and ushaped, not "
+            f"strategy={protocol.name}"
         )
     if config.privacy.name == "activation_gaussian":
         raise ValueError(

@@ -57,7 +57,7 @@ from splitlearn.config import RunSpec, decode_spec
 from splitlearn.data import client_dataset, describe_dataset, local_dataset
 from splitlearn.data.cache import cached_dataset
 from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
-from splitlearn.dataplane.feedback import UplinkFeedback
+from splitlearn.dataplane.feedback import ReferenceFeedback
 from splitlearn.dataplane.node_keys import (
     NODE_KEY_QUERY,
     NODE_KEY_RECORD,
@@ -93,6 +93,8 @@ GRADIENT_ACCOUNTANT_STATE_KEY = "gradient-accountant"
 NODE_KEY_STATE_KEY = "node-key"
 #: ``context.state`` key of the device's error-feedback references (kept across rounds).
 FEEDBACK_STATE_KEY = "error-feedback"
+#: ... and U-shaped's references of the trunk's features.
+FEATURE_FEEDBACK_STATE_KEY = "error-feedback-features"
 
 
 class ChannelFactory(TypingProtocol):
@@ -352,21 +354,28 @@ def _label_secret(context: Context) -> int:
 
 
 def _restore_feedback(context: Context, channel: TrunkChannel | None, spec: RunSpec) -> None:
-    """Give the channel the error-feedback references this device kept from earlier rounds."""
-    record = context.state.array_records.get(FEEDBACK_STATE_KEY)
-    if channel is None or channel.feedback is None or record is None:
+    """Give the channel the error-feedback rows this device kept from earlier rounds."""
+    if channel is None or not spec.compression.error_feedback:
         return
-    channel.feedback = UplinkFeedback.from_state(
-        record_to_state(record), max_bytes=spec.compression.feedback_max_bytes)
+    records = context.state.array_records
+    bound = spec.compression.feedback_max_bytes
+    if channel.feedback is not None and FEEDBACK_STATE_KEY in records:
+        channel.feedback = ReferenceFeedback.from_state(
+            record_to_state(records[FEEDBACK_STATE_KEY]), max_bytes=bound)
+    if FEATURE_FEEDBACK_STATE_KEY in records:
+        channel.feature_feedback = ReferenceFeedback.from_state(
+            record_to_state(records[FEATURE_FEEDBACK_STATE_KEY]), max_bytes=bound)
 
 
 def _keep_feedback(context: Context, channel: TrunkChannel) -> None:
-    """Keep the channel's references for the next round.
+    """Keep the channel's error-feedback rows for the next round.
 
     Also after a failed round: the version tells the trunk whether they are still its own.
     """
-    if channel.feedback is not None:
-        context.state[FEEDBACK_STATE_KEY] = state_to_record(channel.feedback.state())
+    for key, memory in ((FEEDBACK_STATE_KEY, channel.feedback),
+                        (FEATURE_FEEDBACK_STATE_KEY, channel.feature_feedback)):
+        if memory is not None:
+            context.state[key] = state_to_record(memory.state())
 
 
 def _load_accountant(context: Context) -> PrivacyAccountant:
@@ -425,12 +434,11 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     loader = rnd.loader()
     memory = step.memory_bytes(spec.strategy.batch_size)
     examples = len(loader.dataset)  # type: ignore[arg-type]
-    if spec.compression.uplink_feedback:  # a reference per example, held while training
-        memory += step.reference_bytes(examples)
-    plan.check_memory(memory, what=f"{rnd.protocol.name} at cut {rnd.cut}, batch "
+    feedback = step.feedback_bytes(examples, spec.compression)  # rows per example, all round
+    plan.check_memory(memory + feedback, what=f"{rnd.protocol.name} at cut {rnd.cut}, batch "
                       f"{spec.strategy.batch_size}"
                       + (" with checkpointing" if rnd.checkpoint else "")
-                      + (" and error feedback" if spec.compression.uplink_feedback else ""),
+                      + (" and error feedback" if feedback else ""),
                       examples=examples)
     privacy = make_client_privacy(spec.privacy, loader)
     privacy.check_source(step.bottom)

@@ -13,6 +13,7 @@ Either way the config is checked before anything starts (:func:`protocols.check_
 from __future__ import annotations
 
 import logging
+import math
 import shlex
 import sys
 import time
@@ -169,14 +170,16 @@ def make_planning(cfg: DictConfig, trunk: Trunk, *, host_flops_per_s: float
     # gradient comes back (local loss only sends).
     # ... and how the data plane encodes the tensors at the cut.
     encoding = cfg.dataplane.compression
+    tail_cut = tail_cut_of(cfg.strategy, trunk.model)
     costs = [with_compression(replace(c, exchanges_per_batch=step.exchanges_per_batch,
                                       returns_gradient=step.receives_gradient),
                               uplink=encoding.uplink, downlink=encoding.downlink,
                               topk_fraction=encoding.topk_fraction,
-                              error_feedback=encoding.error_feedback)
+                              error_feedback=encoding.error_feedback,
+                              feature_entries=0 if tail_cut is None else math.prod(
+                                  trunk.model.cut_shape(tail_cut)))
              for c in cut_costs(trunk.model, batch_size=cfg.strategy.batch_size, leak=leak,
-                                tail_cut=tail_cut_of(cfg.strategy, trunk.model),
-                                frees_output=step.frees_sent_output)
+                                tail_cut=tail_cut, frees_output=step.frees_sent_output)
              if c.cut in allowed]
     planner = build_planner(settings, costs, shared_trunk=cfg.strategy.name != "splitfed_v1",
                             seed=cfg.seed)

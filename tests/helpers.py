@@ -77,14 +77,16 @@ def send_raw(channel: TrunkChannel, data: bytes) -> pb.Reply:
 
 
 class RecordingSends:
-    """Keeps the ``feedback_version`` of every frame a channel sends."""
+    """Keeps the ``feedback_version`` of every ``forward`` a channel sends."""
 
     def __init__(self, channel: TrunkChannel) -> None:
         self.versions: list[int] = []
         send = channel.transport.send
 
         def recording(data: bytes) -> None:
-            self.versions.append(pb.Request.FromString(data).forward.feedback_version)
+            sent = pb.Request.FromString(data)
+            if sent.WhichOneof("kind") == "forward":
+                self.versions.append(sent.forward.feedback_version)
             send(data)
 
         channel.transport.send = recording  # type: ignore[method-assign]

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from clients.checkpointing import run_stages
 from clients.memory import MemoryMeter
 from splitlearn.calibration import client_train_memory_bytes
-from splitlearn.config import RunSpec
+from splitlearn.config import CompressionConfig, RunSpec
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.models import SplittableModel
 from splitlearn.models.lean import mask_cut_relu
@@ -123,8 +123,13 @@ class ClientStep:
             frees_output=self.frees_sent_output,
         )
 
-    def reference_bytes(self, examples: int) -> int:
-        """Bytes of the float32 reference per example that uplink error feedback keeps."""
+    def feedback_bytes(self, examples: int, compression: CompressionConfig) -> int:
+        """Bytes of the float32 rows that error feedback keeps for ``examples`` examples.
+
+        A reference per example at the cut with a lossy uplink (none without error feedback).
+        """
+        if not compression.uplink_feedback:
+            return 0
         return 4 * examples * torch.Size(self.model.cut_shape(self.cut)).numel()
 
     def train_batch(

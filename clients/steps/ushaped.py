@@ -14,7 +14,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from clients.steps.base import ClientStep, hits
 from splitlearn.calibration import client_train_memory_bytes, tail_train_memory_bytes
-from splitlearn.config import RunSpec
+from splitlearn.config import CompressionConfig, RunSpec
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.models import SplittableModel
 from splitlearn.privacy import GaussianActivationMechanism, secret_generator
@@ -61,6 +61,15 @@ class UShapedStep(ClientStep):
         """Head and tail stages (keys ``"<stage index>.…"``)."""
         return ushaped_state(self.model, self.cut, self.tail_cut)
 
+    def feedback_bytes(self, examples: int, compression: CompressionConfig) -> int:
+        """Return the base step's rows, and with a lossy downlink a row of features per example.
+
+        (The references of the trunk's features.)
+        """
+        features = 4 * examples * torch.Size(self.model.cut_shape(self.tail_cut)).numel()
+        return super().feedback_bytes(examples, compression) + (
+            features if compression.downlink_feedback else 0)
+
     def memory_bytes(self, batch_size: int) -> int:
         """Estimate the head's memory plus the tail's saved activations and parameter state."""
         tail_bytes = tail_train_memory_bytes(self.model, self.tail_cut, batch_size=batch_size)
@@ -76,7 +85,8 @@ class UShapedStep(ClientStep):
         """Head, features from the trunk, tail and loss, gradient back, step."""
         assert channel is not None
         activations = self.release(self.run_stages(self.head, inputs))
-        features = channel.forward_features(activations.detach()).requires_grad_(True)
+        features = channel.forward_features(
+            activations.detach(), example_ids=self.batch_ids).requires_grad_(True)
         root = get_gradient_edge(activations)
         del activations  # sent: its memory goes now unless autograd saved it
         logits = self.tail(features)

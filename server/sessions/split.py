@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +59,12 @@ from splitlearn.dataplane.codec import (
     reply,
 )
 from splitlearn.dataplane.endpoint import Session
-from splitlearn.dataplane.feedback import FeedbackBook, FeedbackFull, StaleFeedback
+from splitlearn.dataplane.feedback import (
+    ClientFeedback,
+    FeedbackBook,
+    FeedbackFull,
+    StaleFeedback,
+)
 
 
 class SharedTrunk:
@@ -211,6 +216,37 @@ def evaluate_batch(trunk: Trunk, cut: int, activations: Tensor, labels: Tensor) 
     return pb.Metrics(loss=loss, correct=int((logits.argmax(dim=1) == labels).sum()))
 
 
+def example_ids(part: pb.Forward, batch: int, *, feedback: FeedbackBook | None,
+                max_bytes: int) -> Tensor | None:
+    """Return a forward's example ids under error feedback, else None (refusing any sent)."""
+    sent: TensorMessage | None = present(part, "example_ids")
+    if feedback is None:
+        if sent is not None:
+            raise FrameError(Reason.BAD_TENSOR, "example_ids sent, but this trunk runs "
+                             "without error feedback (dataplane.compression.error_feedback)")
+        return None
+    return check_example_ids(sent, batch=batch, max_bytes=max_bytes)
+
+
+def prepare_feedback(book: FeedbackBook, client: str, ids: Tensor, row_shape: tuple[int, ...],
+                     *, version: int, feature_shape: tuple[int, ...] | None = None
+                     ) -> ClientFeedback:
+    """:meth:`FeedbackBook.prepare`, its refusals as the data plane's."""
+    try:
+        return book.prepare(client, ids, row_shape, version=version, feature_shape=feature_shape)
+    except StaleFeedback as err:
+        raise FrameError(Reason.STALE_FEEDBACK, str(err)) from None
+    except FeedbackFull as err:
+        raise FrameError(Reason.TOO_LARGE, f"error feedback: {err}") from None
+
+
+def round_trip(encode: Callable[[Tensor], object], tensor: Tensor, *, name: str, max_bytes: int
+               ) -> tuple[object, Tensor]:
+    """Encode ``tensor``; return its frame and what the receiver will decode from it."""
+    frame = encode(tensor)
+    return frame, decode_tensor(frame, name=name, max_bytes=max_bytes)
+
+
 class SplitSession:
     """Answers ``forward`` with ``gradient`` and ``evaluate`` with ``metrics``.
 
@@ -258,26 +294,17 @@ class SplitSession:
         return train_on_batch(trunk, session.grant.cut, acts, labels)
 
     def _example_ids(self, part: pb.Forward, batch: int) -> Tensor | None:
-        """Return the batch's example ids under error feedback, else None (refusing any sent)."""
-        sent: TensorMessage | None = present(part, "example_ids")
-        if self.feedback is None:
-            if sent is not None:
-                raise FrameError(Reason.BAD_TENSOR, "example_ids sent, but this trunk runs "
-                                 "without error feedback (dataplane.compression.error_feedback)")
-            return None
-        return check_example_ids(sent, batch=batch, max_bytes=self.limits.max_frame_bytes)
+        return example_ids(part, batch, feedback=self.feedback,
+                           max_bytes=self.limits.max_frame_bytes)
 
     def _train_with_feedback(self, session: Session, trunk: Trunk, acts: Tensor, labels: Tensor,
                              ids: Tensor, version: int) -> AnyReply:
         """Train on reference + the sent difference; feed back what the gradient's frame drops."""
         assert self.feedback is not None
         client = session.grant.client
-        try:  # checked and made room for first: a refusal leaves trunk and memory as they were
-            memory = self.feedback.prepare(client, ids, tuple(acts.shape[1:]), version=version)
-        except StaleFeedback as err:
-            raise FrameError(Reason.STALE_FEEDBACK, str(err)) from None
-        except FeedbackFull as err:
-            raise FrameError(Reason.TOO_LARGE, f"error feedback: {err}") from None
+        # Checked and made room for first: a refusal leaves trunk and memory as they were.
+        memory = prepare_feedback(self.feedback, client, ids, tuple(acts.shape[1:]),
+                                  version=version)
         if memory.uplink is not None:
             acts = memory.uplink.reconstruct(ids, acts)
             check_finite(acts, name="activations", max_abs=self.limits.max_abs_value)
@@ -291,8 +318,7 @@ class SplitSession:
 
     def _round_trip(self, grad: Tensor) -> tuple[object, Tensor]:
         """Encode the gradient; return its frame and what the client will decode from it."""
-        frame = self._encode(grad)
-        return frame, decode_tensor(frame, name="grad", max_bytes=self.limits.max_frame_bytes)
+        return round_trip(self._encode, grad, name="grad", max_bytes=self.limits.max_frame_bytes)
 
     @staticmethod
     def _gradient(result: StepResult, frame: object, *, feedback_dropped: bool = False

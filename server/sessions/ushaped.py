@@ -22,6 +22,13 @@ kept activations (batch-norm statistics restored, so they move once per batch):
 the usual bounded staleness of asynchronous split learning. With one session at
 a time nothing changes in between and the kept graph is used as is: exactly
 whole-model SGD.
+
+With error feedback (``dataplane.compression.error_feedback``) the ``forward`` also
+carries the rows' example ids. A lossy uplink's activations arrive as differences from
+references (as in split sessions); a lossy downlink's features leave as differences from
+references of their own, which the device keeps too, and what the gradient at the cut's
+compression drops is added to the example's next gradient. Both sides' references absorb
+a batch at its ``forward`` (one version for both).
 """
 
 from __future__ import annotations
@@ -30,12 +37,13 @@ import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
 
 from server.sessions.merge import client_copy
-from server.sessions.split import SharedTrunk
+from server.sessions.split import SharedTrunk, example_ids, prepare_feedback, round_trip
 from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane import trunk_pb2 as pb
@@ -45,6 +53,7 @@ from splitlearn.dataplane.codec import (
     FrameError,
     Reason,
     check_activations,
+    check_finite,
     check_gradient,
     encoder,
     magnitude,
@@ -52,6 +61,7 @@ from splitlearn.dataplane.codec import (
     reply,
 )
 from splitlearn.dataplane.endpoint import Session
+from splitlearn.dataplane.feedback import ClientFeedback, FeedbackBook, RoundTrip
 
 
 @dataclass
@@ -62,6 +72,8 @@ class Pending:
     activations: Tensor  # leaf at the cut (requires grad)
     features: Tensor  # output at the tail cut, graph attached
     versions: tuple[int, ...]  # in-place versions of the stages' parameters after forward
+    ids: Tensor | None = None  # with error feedback: the rows' examples
+    memory: ClientFeedback | None = None  # ... and the client's feedback
 
 
 def _versions(tensors: Iterable[Tensor]) -> tuple[int, ...]:
@@ -87,7 +99,14 @@ class UShapedSession:
         self.trunk: Trunk = pool.trunk
         self.tail_cut = tail_cut
         self.limits = limits
-        self._encode = encoder(limits.compression, "downlink")  # features and gradients
+        compression = limits.compression
+        self._encode = encoder(compression, "downlink")  # features and gradients
+        #: Every client's per-example error feedback, kept across rounds (None: not used).
+        self.feedback = (FeedbackBook(uplink=compression.uplink_feedback,
+                                      downlink=compression.downlink_feedback,
+                                      features=compression.downlink_feedback,
+                                      max_bytes=compression.feedback_max_bytes)
+                         if compression.error_feedback else None)
         self._pending: dict[str, Pending] = {}
         self._lock = threading.Lock()
         #: Forwards whose backward never came before the next forward.
@@ -112,8 +131,12 @@ class UShapedSession:
             raise FrameError(Reason.BAD_TENSOR, f"cut {cut} leaves the trunk no stage "
                              f"below the tail cut {self.tail_cut}")
         if kind == "backward":
-            grad = self._step(session, request.backward)
-            return reply("gradient", grad=self._encode(grad))
+            pending, grad = self._step(session, request.backward)
+            if pending.memory is None or pending.memory.downlink is None:
+                return reply("gradient", grad=self._encode(grad))
+            assert pending.ids is not None
+            return reply("gradient", grad=pending.memory.downlink.compress(
+                pending.ids, grad, self._round_trip("grad")))
         if kind not in ("forward", "evaluate"):
             raise FrameError(Reason.UNEXPECTED_KIND, f"U-shaped sessions send 'forward', "
                              f"'backward' or 'evaluate', not {kind!r}")
@@ -130,21 +153,56 @@ class UShapedSession:
             with torch.no_grad(), self.trunk.forward_only(train=False):
                 features = self.trunk.run(acts, cut, self.tail_cut)
             return reply("features", features=self._encode(features))
+        ids = example_ids(part, len(acts), feedback=self.feedback,
+                          max_bytes=self.limits.max_frame_bytes)
+        if ids is not None:
+            return self._forward_with_feedback(session, cut, acts, ids,
+                                               int(part.feedback_version))
         features, replaced = self._forward(session, cut, acts)
         return reply("features", features=self._encode(features), replaced_pending=replaced)
 
-    def _forward(self, session: Session, cut: int, activations: Tensor) -> tuple[Tensor, bool]:
+    def _forward_with_feedback(self, session: Session, cut: int, acts: Tensor, ids: Tensor,
+                               version: int) -> AnyReply:
+        """Forward reference + the sent difference; send the features' difference from theirs."""
+        assert self.feedback is not None
+        client = session.grant.client
+        memory = prepare_feedback(self.feedback, client, ids, tuple(acts.shape[1:]),
+                                  version=version,
+                                  feature_shape=tuple(self.trunk.cut_shape(self.tail_cut)))
+        if memory.uplink is not None:
+            acts = memory.uplink.reconstruct(ids, acts)
+            check_finite(acts, name="activations", max_abs=self.limits.max_abs_value)
+        features, replaced = self._forward(session, cut, acts, ids=ids, memory=memory)
+        if memory.uplink is not None:
+            memory.uplink.commit(ids, acts)
+        frame: object
+        if memory.features is None:
+            frame = self._encode(features)
+        else:
+            frame, agreed = memory.features.encode(ids, features.float(),
+                                                   self._round_trip("features"))
+            memory.features.commit(ids, agreed)
+        dropped = self.feedback.keep(client, memory)
+        return reply("features", features=frame, replaced_pending=replaced,
+                     feedback_dropped=dropped)
+
+    def _round_trip(self, name: str) -> RoundTrip:
+        return partial(round_trip, self._encode, name=name, max_bytes=self.limits.max_frame_bytes)
+
+    def _forward(self, session: Session, cut: int, activations: Tensor, *,
+                 ids: Tensor | None = None, memory: ClientFeedback | None = None
+                 ) -> tuple[Tensor, bool]:
         acts = activations.detach().requires_grad_(True)
         with self.trunk.forward_only(train=True):
             features = self.trunk.run(acts, cut, self.tail_cut)
             versions = _versions(self._params(cut))
         with self._lock:
             replaced = self._pending.pop(session.token, None) is not None
-            self._pending[session.token] = Pending(cut, acts, features, versions)
+            self._pending[session.token] = Pending(cut, acts, features, versions, ids, memory)
             self.replaced += replaced
         return features.detach(), replaced
 
-    def _step(self, session: Session, backward: pb.Backward) -> Tensor:
+    def _step(self, session: Session, backward: pb.Backward) -> tuple[Pending, Tensor]:
         with self._lock:
             pending = self._pending.get(session.token)
         if pending is None:
@@ -158,7 +216,7 @@ class UShapedSession:
             if self._pending.pop(session.token, None) is not pending:
                 raise FrameError(Reason.NO_PENDING_FORWARD,
                                  "the pending forward was replaced while this backward arrived")
-        return self._apply(pending, grad)
+        return pending, self._apply(pending, grad)
 
     def _apply(self, pending: Pending, grad: Tensor) -> Tensor:
         """Backpropagate ``grad`` through the pending forward, step, return the cut gradient."""

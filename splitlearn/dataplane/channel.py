@@ -24,7 +24,7 @@ from splitlearn.config import CompressionConfig
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor, encode_tensor, encoder, request
 from splitlearn.dataplane.endpoint import SessionRefused, TrunkEndpoint
-from splitlearn.dataplane.feedback import FeedbackFull, UplinkFeedback
+from splitlearn.dataplane.feedback import ExampleRows, FeedbackFull, ReferenceFeedback
 from splitlearn.dataplane.frames import Frame, read
 from splitlearn.dataplane.node_keys import PROOF_METADATA_KEY
 from splitlearn.dataplane.service import EXCHANGE_METHOD, TOKEN_METADATA_KEY
@@ -234,6 +234,21 @@ class InProcessTransport:
     abort = close
 
 
+def _checked_ids(ids: torch.Tensor | None) -> torch.Tensor:
+    """Return the batch's example ids as sent (int64, on the CPU); error feedback needs them."""
+    if ids is None:
+        raise ValueError("error feedback needs each training batch's example_ids")
+    return ids.detach().cpu().to(torch.int64)
+
+
+def _admit(rows: ExampleRows, ids: torch.Tensor, row_shape: tuple[int, ...]) -> None:
+    """Make room for ``ids`` before sending: past the device's bound, stop with a reason."""
+    try:
+        rows.admit(ids, row_shape)
+    except FeedbackFull as err:
+        raise ValueError(f"error feedback: {err}") from None
+
+
 class TrunkChannel:
     """Typed requests to the trunk over a transport, with byte and wait accounting.
 
@@ -273,8 +288,12 @@ class TrunkChannel:
         self.error_feedback = compression.error_feedback
         self._feedback_max_bytes = compression.feedback_max_bytes
         #: The device's per-example references (lossy uplink with error feedback), or None.
-        self.feedback = (UplinkFeedback(max_bytes=self._feedback_max_bytes)
+        self.feedback = (ReferenceFeedback(max_bytes=self._feedback_max_bytes)
                          if compression.uplink_feedback else None)
+        #: U-shaped with error feedback and a lossy downlink: references of the trunk's
+        #: features, which the trunk keeps too (made at the first batch).
+        self.feature_feedback: ReferenceFeedback | None = None
+        self._features_feedback = compression.downlink_feedback
         self.reply_timeout_s = reply_timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.window = window
@@ -356,9 +375,7 @@ class TrunkChannel:
         A batch the trunk finds stale (its references are not the device's: a round the
         device did not finish, or a trunk that dropped them) is sent again from zero.
         """
-        if ids is None:
-            raise ValueError("error feedback needs each training batch's example_ids")
-        ids = ids.detach().cpu().to(torch.int64)
+        ids = _checked_ids(ids)
         if self.feedback is None:
             return self._call("gradient", "forward", activations=self._encode(activations),
                               labels=encode_tensor(labels), example_ids=encode_tensor(ids))
@@ -367,19 +384,29 @@ class TrunkChannel:
         except TrunkRejected as err:
             if err.reason != "STALE_FEEDBACK":
                 raise
-        self.feedback = UplinkFeedback(max_bytes=self._feedback_max_bytes)
+        self._restart_references()
         return self._forward_difference(activations, labels, ids)
+
+    def _restart_references(self) -> None:
+        """Zero the references this device shares with the trunk (its next batch: version 0)."""
+        if self.feedback is not None:
+            self.feedback = ReferenceFeedback(max_bytes=self._feedback_max_bytes)
+        if self.feature_feedback is not None:
+            self.feature_feedback = ReferenceFeedback(max_bytes=self._feedback_max_bytes)
+
+    @property
+    def feedback_version(self) -> int:
+        """Batches the shared references absorbed since they were zero."""
+        references = self.feedback or self.feature_feedback
+        return 0 if references is None else references.version
 
     def _forward_difference(self, activations: torch.Tensor, labels: torch.Tensor,
                             ids: torch.Tensor) -> Frame | pb.Reply:
         feedback = self.feedback
         assert feedback is not None
         if not feedback.references.holds(tuple(activations.shape[1:])):  # another cut now
-            feedback = self.feedback = UplinkFeedback(max_bytes=self._feedback_max_bytes)
-        try:
-            feedback.references.admit(ids, tuple(activations.shape[1:]))
-        except FeedbackFull as err:
-            raise ValueError(f"error feedback: {err}") from None
+            feedback = self.feedback = ReferenceFeedback(max_bytes=self._feedback_max_bytes)
+        _admit(feedback.references, ids, tuple(activations.shape[1:]))
         # ``agreed`` is what the trunk trains on: it decodes these bytes onto the same reference.
         frame, agreed = feedback.encode(ids, activations.detach().float(), self._round_trip)
         reply = self._call("gradient", "forward", activations=frame,
@@ -387,7 +414,7 @@ class TrunkChannel:
                            feedback_version=feedback.version)
         feedback.commit(ids, agreed)  # the trunk took the batch: both references moved
         if reply.gradient.feedback_dropped:  # then dropped its side: start over, in step
-            self.feedback = UplinkFeedback(max_bytes=self._feedback_max_bytes)
+            self._restart_references()
         return reply
 
     def _round_trip(self, activations: torch.Tensor) -> tuple[Frame, torch.Tensor]:
@@ -404,13 +431,58 @@ class TrunkChannel:
 
     # --- U-shaped: labels stay on the device ----------------------------------------
 
-    def forward_features(self, activations: torch.Tensor) -> torch.Tensor:
-        """Send activations (no labels); return the trunk's features (it keeps the graph)."""
-        reply = self._call("features", "forward", activations=self._encode(activations))
-        return self._tensor(reply.features.features, "features")
+    def forward_features(self, activations: torch.Tensor, *,
+                         example_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Send activations (no labels); return the trunk's features (it keeps the graph).
+
+        With error feedback, ``example_ids`` are required (as for :meth:`forward`), and the
+        features are those both sides agree on (reference + the decoded difference).
+        """
+        if not self.error_feedback:
+            reply = self._call("features", "forward", activations=self._encode(activations))
+            return self._tensor(reply.features.features, "features")
+        ids = _checked_ids(example_ids)
+        try:
+            return self._features_difference(activations, ids)
+        except TrunkRejected as err:
+            if err.reason != "STALE_FEEDBACK":
+                raise
+        self._restart_references()
+        return self._features_difference(activations, ids)
+
+    def _features_difference(self, activations: torch.Tensor, ids: torch.Tensor
+                             ) -> torch.Tensor:
+        """One U-shaped forward with error feedback: both references move together."""
+        shape = tuple(activations.shape[1:])
+        if self.feedback is not None and not self.feedback.references.holds(shape):
+            self._restart_references()  # another cut now
+        frame, agreed = self._encode(activations), None
+        if self.feedback is not None:
+            _admit(self.feedback.references, ids, shape)
+            frame, agreed = self.feedback.encode(ids, activations.detach().float(),
+                                                 self._round_trip)
+        reply = self._call("features", "forward", activations=frame,
+                           example_ids=encode_tensor(ids), feedback_version=self.feedback_version)
+        features = self._tensor(reply.features.features, "features")
+        if self._features_feedback:
+            references = self.feature_feedback = (
+                self.feature_feedback or ReferenceFeedback(max_bytes=self._feedback_max_bytes))
+            _admit(references.references, ids, tuple(features.shape[1:]))
+            features = references.reconstruct(ids, features.float())
+            references.commit(ids, features)
+        if self.feedback is not None:
+            self.feedback.commit(ids, agreed)
+        if reply.features.feedback_dropped:
+            self._restart_references()
+        return features
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor:
-        """Send d loss / d features of the pending batch; return the gradient at the cut."""
+        """Send d loss / d features of the pending batch; return the gradient at the cut.
+
+        Not fed back under error feedback: what compression drops from an example's row
+        would reach the trunk an epoch later, through another trunk (measured: U-shaped
+        on digits with top-k then stayed at chance, where plain top-k trained).
+        """
         reply = self._call("gradient", "backward", grad=self._encode(grad))
         return self._tensor(reply.gradient.grad, "grad")
 

@@ -17,6 +17,9 @@ each training batch (``Forward.example_ids``):
   compressing it, and keeps what it drops now. The device's weights get the dropped
   part one visit later instead of never.
 
+U-shaped sessions (:mod:`server.sessions.ushaped`) also send the trunk's features as
+differences from references that both sides keep (the uplink rule, the other way).
+
 Both sides decode the same bytes with the same code, so their references agree bit
 for bit; a version (the batches the references absorbed since they were zero) tells
 when they do not (a round the device did not finish), and the device then starts both
@@ -135,7 +138,7 @@ class ExampleRows:
         self._rows[[self._slots[i] for i in ids.tolist()]] = values.float()
 
 
-class UplinkFeedback:
+class ReferenceFeedback:
     """Activations sent as compressed differences from per-example references.
 
     Parameters
@@ -175,7 +178,7 @@ class UplinkFeedback:
         return {**self.references.state(), "version": torch.tensor(self.version)}
 
     @classmethod
-    def from_state(cls, state: Mapping[str, Tensor], *, max_bytes: int) -> UplinkFeedback:
+    def from_state(cls, state: Mapping[str, Tensor], *, max_bytes: int) -> ReferenceFeedback:
         """Rebuild what :meth:`state` returned; from zero if it no longer fits ``max_bytes``."""
         feedback = cls(max_bytes=max_bytes)
         try:
@@ -186,7 +189,7 @@ class UplinkFeedback:
         return feedback
 
 
-class DownlinkFeedback:
+class ResidualFeedback:
     """Gradients compressed with what their example's previous compression dropped.
 
     Parameters
@@ -208,53 +211,80 @@ class DownlinkFeedback:
         self.residuals.store(ids, corrected - sent)
         return frame
 
+    def state(self) -> dict[str, Tensor]:
+        """Return the residuals (for keeping them between rounds)."""
+        return self.residuals.state()
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Tensor], *, max_bytes: int) -> ResidualFeedback:
+        """Rebuild what :meth:`state` returned; from zero if it no longer fits ``max_bytes``."""
+        feedback = cls(max_bytes=max_bytes)
+        try:
+            feedback.residuals.load(state)
+        except FeedbackFull:
+            return cls(max_bytes=max_bytes)
+        return feedback
+
 
 class ClientFeedback:
-    """One client's error feedback on the trunk: either direction, or both.
+    """One client's error feedback on the trunk.
 
-    ``max_bytes`` bounds both directions' rows together (each gets its share).
+    ``uplink``: references of the activations it receives; ``downlink``: residuals of the
+    gradients at the cut it sends; ``features`` (U-shaped): references of the features it
+    sends. ``max_bytes`` bounds them together (each gets an equal share). The references
+    absorb each batch together, so their versions agree.
     """
 
-    def __init__(self, *, uplink: bool, downlink: bool, max_bytes: int) -> None:
-        share = max_bytes // max(1, uplink + downlink)
-        self.uplink = UplinkFeedback(max_bytes=share) if uplink else None
-        self.downlink = DownlinkFeedback(max_bytes=share) if downlink else None
+    def __init__(self, *, uplink: bool, downlink: bool, max_bytes: int,
+                 features: bool = False) -> None:
+        share = max_bytes // max(1, uplink + downlink + features)
+        self.uplink = ReferenceFeedback(max_bytes=share) if uplink else None
+        self.downlink = ResidualFeedback(max_bytes=share) if downlink else None
+        self.features = ReferenceFeedback(max_bytes=share) if features else None
 
     @property
     def nbytes(self) -> int:
         """Bytes its rows take."""
-        return sum(s.nbytes for s in self._stores())
+        return sum(store.nbytes for store, _ in self._stores())
 
-    def holds(self, row_shape: tuple[int, ...]) -> bool:
-        """Whether its rows are of ``row_shape`` (or none are stored)."""
-        return all(store.holds(row_shape) for store in self._stores())
+    @property
+    def version(self) -> int | None:
+        """Batches its references absorbed since they were zero (None: it keeps none)."""
+        references = self.uplink or self.features
+        return None if references is None else references.version
 
-    def admit(self, ids: Tensor, row_shape: tuple[int, ...]) -> None:
-        """Make room for ``ids`` in both directions (raises :class:`FeedbackFull`)."""
-        for store in self._stores():
-            store.admit(ids, row_shape)
+    def holds(self, row_shape: tuple[int, ...], feature_shape: tuple[int, ...] | None = None
+              ) -> bool:
+        """Whether its rows are of these shapes (at the cut; features'), or none are stored."""
+        return all(store.holds(feature_shape if at_features else row_shape)
+                   for store, at_features in self._stores())
 
-    def _stores(self) -> list[ExampleRows]:
-        return ([self.uplink.references] if self.uplink else []) + (
-            [self.downlink.residuals] if self.downlink else [])
+    def admit(self, ids: Tensor, row_shape: tuple[int, ...],
+              feature_shape: tuple[int, ...] | None = None) -> None:
+        """Make room for ``ids`` in every store (raises :class:`FeedbackFull`)."""
+        for store, at_features in self._stores():
+            store.admit(ids, feature_shape if at_features else row_shape)  # type: ignore[arg-type]
+
+    def _stores(self) -> list[tuple[ExampleRows, bool]]:
+        """Each store and whether its rows are features (else rows at the cut)."""
+        return ([(self.uplink.references, False)] if self.uplink else []) + (
+            [(self.downlink.residuals, False)] if self.downlink else []) + (
+            [(self.features.references, True)] if self.features else [])
 
     def state(self) -> dict[str, dict[str, Tensor]]:
-        """Return each direction's rows (and the uplink's version), to move them elsewhere."""
-        state = {}
-        if self.uplink is not None:
-            state["uplink"] = self.uplink.state()
-        if self.downlink is not None:
-            state["downlink"] = self.downlink.residuals.state()
-        return state
+        """Return each store's rows (and the references' version), to move them elsewhere."""
+        stores = {"uplink": self.uplink, "downlink": self.downlink, "features": self.features}
+        return {name: store.state() for name, store in stores.items() if store is not None}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Mapping[str, Tensor]], *, uplink: bool,
-                   downlink: bool, max_bytes: int) -> ClientFeedback:
+                   downlink: bool, max_bytes: int, features: bool = False) -> ClientFeedback:
         """Rebuild what :meth:`state` returned (raises :class:`FeedbackFull` past the bound)."""
-        memory = cls(uplink=uplink, downlink=downlink, max_bytes=max_bytes)
-        if memory.uplink is not None:
-            memory.uplink.references.load(state["uplink"])
-            memory.uplink.version = int(state["uplink"]["version"])
+        memory = cls(uplink=uplink, downlink=downlink, max_bytes=max_bytes, features=features)
+        for references, name in ((memory.uplink, "uplink"), (memory.features, "features")):
+            if references is not None:
+                references.references.load(state[name])
+                references.version = int(state[name]["version"])
         if memory.downlink is not None:
             memory.downlink.residuals.load(state["downlink"])
         return memory
@@ -276,10 +306,14 @@ class FeedbackBook:
         Which directions feed back (:attr:`CompressionConfig.uplink_feedback`, ...).
     max_bytes : int
         Bound on all clients' rows together.
+    features : bool
+        U-shaped sessions with a lossy downlink: the features sent are references too.
     """
 
-    def __init__(self, *, uplink: bool, downlink: bool, max_bytes: int) -> None:
+    def __init__(self, *, uplink: bool, downlink: bool, max_bytes: int,
+                 features: bool = False) -> None:
         self.uplink, self.downlink, self.max_bytes = uplink, downlink, max_bytes
+        self.features = features
         self._clients: OrderedDict[str, ClientFeedback] = OrderedDict()
         self._sizes: dict[str, int] = {}  # each kept client's bytes, as of its last keep
         self._bytes = 0  # their sum
@@ -296,33 +330,34 @@ class FeedbackBook:
         """Bytes all clients' rows take (as of each one's last batch)."""
         return self._bytes
 
-    def prepare(self, client: str, ids: Tensor, row_shape: tuple[int, ...], *, version: int
-                ) -> ClientFeedback:
+    def prepare(self, client: str, ids: Tensor, row_shape: tuple[int, ...], *, version: int,
+                feature_shape: tuple[int, ...] | None = None) -> ClientFeedback:
         """Return ``client``'s feedback for a batch, with room for its ``ids``.
 
-        Version 0 (with uplink feedback) starts the client from zero, as does a batch
-        at another cut than the kept rows'; the fresh memory replaces the old one only
-        at :meth:`keep`, so a refused batch changes nothing.
+        Version 0 (with references) starts the client from zero, as does a batch at
+        another cut than the kept rows'; the fresh memory replaces the old one only at
+        :meth:`keep`, so a refused batch changes nothing. ``feature_shape``: a row of the
+        features a U-shaped trunk sends.
 
         Raises
         ------
         StaleFeedback
-            If the batch's version is not the references' (uplink feedback only).
+            If the batch's version is not the references' (with references only).
         FeedbackFull
             If this client's rows alone would exceed the budget.
         """
         with self._lock:
             memory = self._clients.get(client)
-        fresh = memory is None or (self.uplink and version == 0) or not memory.holds(row_shape)
-        if fresh:
+        references = self.uplink or self.features
+        if (memory is None or (references and version == 0)
+                or not memory.holds(row_shape, feature_shape)):
             memory = ClientFeedback(uplink=self.uplink, downlink=self.downlink,
-                                    max_bytes=self.max_bytes)
-        assert memory is not None
-        if memory.uplink is not None and memory.uplink.version != version:
+                                    max_bytes=self.max_bytes, features=self.features)
+        if memory.version is not None and memory.version != version:
             raise StaleFeedback(f"this batch was encoded against version {version} of client "
                                 f"{client}'s references; the trunk holds version "
-                                f"{memory.uplink.version}: send it again from version 0")
-        memory.admit(ids, row_shape)
+                                f"{memory.version}: send it again from version 0")
+        memory.admit(ids, row_shape, feature_shape)
         return memory
 
     def keep(self, client: str, memory: ClientFeedback) -> bool:
@@ -356,7 +391,7 @@ class FeedbackBook:
     def adopt(self, client: str, state: Mapping[str, Mapping[str, Tensor]]) -> None:
         """Hold the memory another trunk released (:meth:`release`), as if it had served it."""
         memory = ClientFeedback.from_state(state, uplink=self.uplink, downlink=self.downlink,
-                                           max_bytes=self.max_bytes)
+                                           max_bytes=self.max_bytes, features=self.features)
         self.keep(client, memory)
 
     def _over_share(self) -> str:

@@ -109,12 +109,14 @@ class Metrics(_message.Message):
     def __init__(self, loss: _Optional[float] = ..., correct: _Optional[int] = ...) -> None: ...
 
 class Features(_message.Message):
-    __slots__ = ("features", "replaced_pending")
+    __slots__ = ("features", "replaced_pending", "feedback_dropped")
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     REPLACED_PENDING_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_DROPPED_FIELD_NUMBER: _ClassVar[int]
     features: Tensor
     replaced_pending: bool
-    def __init__(self, features: _Optional[_Union[Tensor, _Mapping]] = ..., replaced_pending: _Optional[bool] = ...) -> None: ...
+    feedback_dropped: bool
+    def __init__(self, features: _Optional[_Union[Tensor, _Mapping]] = ..., replaced_pending: _Optional[bool] = ..., feedback_dropped: _Optional[bool] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("queued",)

@@ -87,23 +87,25 @@ class CutCost:
 
 
 def with_compression(cost: CutCost, *, uplink: str, downlink: str, topk_fraction: float = 0.1,
-                     error_feedback: bool = False) -> CutCost:
+                     error_feedback: bool = False, feature_entries: int = 0) -> CutCost:
     """Return ``cost`` with the cut's tensors as the data plane encodes them.
 
     ``smashed_bytes_per_sample`` (float32 values) becomes the ``uplink``
     encoding's bytes and the gradient's the ``downlink`` one's
     (:func:`splitlearn.communication.encoded_row_bytes`; int8 at its dense size,
     an upper bound when activations have many zeros). With ``error_feedback`` and a
-    lossy uplink the client also keeps a float32 row per example.
+    lossy uplink the client also keeps a float32 row per example; a U-shaped client
+    (``feature_entries``: values per example of the trunk's features) with a lossy
+    downlink also a row of features.
     """
     entries = cost.smashed_bytes_per_sample // 4
-    references = error_feedback and uplink != "none"
     return replace(
         cost,
         smashed_bytes_per_sample=encoded_row_bytes(entries, uplink, topk_fraction=topk_fraction),
         gradient_bytes_per_sample=encoded_row_bytes(entries, downlink,
                                                     topk_fraction=topk_fraction),
-        reference_bytes_per_example=4 * entries if references else 0,
+        reference_bytes_per_example=4 * error_feedback * (
+            entries * (uplink != "none") + feature_entries * (downlink != "none")),
     )
 
 

@@ -152,14 +152,14 @@ def test_error_feedback_keeps_each_devices_references_across_rounds():
     every round (no start-over from zero), the bytes are top-k's plus 8 per row, and it
     trains."""
     from clients.app import FEEDBACK_STATE_KEY
-    from splitlearn.dataplane.feedback import UplinkFeedback
+    from splitlearn.dataplane.feedback import ReferenceFeedback
     from splitlearn.wire import record_to_state
 
     cfg = small_config("compression=topk_feedback", "strategy.num_rounds=3")
     history = run_local(cfg, grid_type=RememberedGrid).history
     plain = run_local(small_config("compression=topk", "strategy.num_rounds=3")).history
     contexts = RememberedGrid.last.contexts.values()
-    kept = [UplinkFeedback.from_state(record_to_state(c.state[FEEDBACK_STATE_KEY]),
+    kept = [ReferenceFeedback.from_state(record_to_state(c.state[FEEDBACK_STATE_KEY]),
                                       max_bytes=1 << 30) for c in contexts]
     steps = sum(r["steps"] for r in history[1:])
     assert sum(k.version for k in kept) == steps  # one commit per batch, none lost
@@ -167,6 +167,32 @@ def test_error_feedback_keeps_each_devices_references_across_rounds():
     examples = sum(r["examples"] for r in history[1:])
     extra = sum(r["bytes_up"] for r in history[1:]) - sum(r["bytes_up"] for r in plain[1:])
     assert 8 * examples <= extra <= 8 * examples + 16 * steps  # ids, and a version a frame
+    assert history[-1]["test_accuracy"] > history[0]["test_accuracy"] + 0.2
+
+
+def test_ushaped_error_feedback_keeps_both_references_across_rounds():
+    """U-shaped with int8 up and top-k down, with error feedback: every device's activation
+    and feature references absorb every batch of every round (one version for both, no
+    start-over from zero), a row per example each, and it trains."""
+    from clients.app import FEATURE_FEEDBACK_STATE_KEY, FEEDBACK_STATE_KEY
+    from splitlearn.dataplane.feedback import ReferenceFeedback
+    from splitlearn.wire import record_to_state
+
+    cfg = small_config("strategy=ushaped", "strategy.num_rounds=3", "compression=topk_feedback",
+                       "dataplane.compression.uplink=int8")
+    history = run_local(cfg, grid_type=RememberedGrid).history
+    states = [c.state for c in RememberedGrid.last.contexts.values()]
+
+    def kept(key: str) -> list[ReferenceFeedback]:
+        return [ReferenceFeedback.from_state(record_to_state(s[key]), max_bytes=1 << 30)
+                for s in states]
+
+    activations, features = kept(FEEDBACK_STATE_KEY), kept(FEATURE_FEEDBACK_STATE_KEY)
+    assert [a.version for a in activations] == [f.version for f in features]
+    assert sum(a.version for a in activations) == sum(r["steps"] for r in history[1:])
+    held = 1437 // cfg.num_clients
+    assert all(len(a.references) == len(f.references) == held
+               for a, f in zip(activations, features, strict=True))
     assert history[-1]["test_accuracy"] > history[0]["test_accuracy"] + 0.2
 
 

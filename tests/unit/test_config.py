@@ -179,7 +179,7 @@ def test_queue_bytes_replaced_queue_batches():
           "dataplane.ssl_keyfile=/nonexistent/server.key"],
          "dataplane.ssl_certfile='/nonexistent/server.pem'"),
         (["dataplane.compression.error_feedback=true"], "dataplane.compression.error_feedback"),
-        (["compression=topk_feedback", "strategy=ushaped"],
+        (["compression=topk_feedback", "strategy=fedavg"],
          "dataplane.compression.error_feedback=true is built for the split protocols"),
         (["compression=topk_feedback", "strategy=local_loss"], "not strategy=local_loss"),
         (["compression=topk_feedback", "privacy=activation_gaussian"],
@@ -190,7 +190,7 @@ def test_queue_bytes_replaced_queue_batches():
     ids=["unknown-protocol", "cut-past-the-end", "cut-zero", "missing-dataset-folder",
          "path-for-digits", "zero-noise", "too-few-clients", "undefined-profile",
          "tls-certificate-without-key", "tls-ca-without-certificate", "tls-missing-file",
-         "feedback-with-nothing-dropped", "feedback-ushaped", "feedback-local-loss",
+         "feedback-with-nothing-dropped", "feedback-fedavg", "feedback-local-loss",
          "feedback-activation-noise", "feedback-no-memory"],
 )
 def test_preflight_refuses_naming_the_key(overrides, key):
@@ -206,7 +206,8 @@ def test_preflight_accepts_the_same_settings_within_range(tmp_path):
     for overrides in (["model.cut=4"], ["dataset=mnist", f"dataset.path={tmp_path}"],
                       ["num_clients=3", "strategy.min_train_nodes=3"],
                       ["privacy=activation_gaussian", "privacy.noise_multiplier=0.5"],
-                      ["devices=phones", "+devices.mix.wearable=0.5"]):
+                      ["devices=phones", "+devices.mix.wearable=0.5"],
+                      ["compression=topk_feedback", "strategy=ushaped"]):
         check_config(composed(*overrides))
 
 

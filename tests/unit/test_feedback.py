@@ -9,21 +9,23 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from protocols import protocol_named
 from server.trunk import Trunk
-from splitlearn.config import CompressionConfig, DataPlaneConfig
+from splitlearn.config import CompressionConfig, DataPlaneConfig, RunSpec
 from splitlearn.dataplane import TokenRegistry, TrunkEndpoint, TrunkRejected
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor, encode_tensor, encoder, request
 from splitlearn.dataplane.feedback import (
-    DownlinkFeedback,
     ExampleRows,
     FeedbackBook,
     FeedbackFull,
+    ReferenceFeedback,
+    ResidualFeedback,
     StaleFeedback,
-    UplinkFeedback,
 )
+from strategies.ushaped import UShapedOptions
 from tests.conftest import digits_like_model
 from tests.helpers import RecordingSends, send_raw
 
@@ -84,7 +86,7 @@ def test_rows_beyond_the_bound_are_refused_and_nothing_changes():
 
 def test_an_unchanging_row_reaches_its_value_through_topk_differences():
     """Top-k of 10% sends a tenth of a row; its differences send the rest on later visits."""
-    device, trunk = UplinkFeedback(max_bytes=MAX), UplinkFeedback(max_bytes=MAX)
+    device, trunk = ReferenceFeedback(max_bytes=MAX), ReferenceFeedback(max_bytes=MAX)
     ids = torch.tensor([3, 7])
     x = torch.randn(2, 4, 5, 5, generator=torch.Generator().manual_seed(0))
     errors = []
@@ -102,7 +104,7 @@ def test_an_unchanging_row_reaches_its_value_through_topk_differences():
 def test_downlink_feedback_delivers_every_gradient_in_the_end():
     """EF's invariant: what was sent plus the residual is the sum of the true gradients."""
     g = torch.Generator().manual_seed(1)
-    feedback = DownlinkFeedback(max_bytes=MAX)
+    feedback = ResidualFeedback(max_bytes=MAX)
     ids = torch.tensor([5, 2, 9])
     true_sum, sent_sum = torch.zeros(3, 40), torch.zeros(3, 40)
 
@@ -147,7 +149,7 @@ def test_device_and_trunk_hold_the_same_references_bit_for_bit_across_rounds(
         channel = server.channel(server.token(CUT, server_round=server_round),
                                  compression=compression)
         if kept is not None:
-            channel.feedback = UplinkFeedback.from_state(kept, max_bytes=MAX)
+            channel.feedback = ReferenceFeedback.from_state(kept, max_bytes=MAX)
         for seed, ids in enumerate(batches):
             acts, labels, example_ids = batch(seed, ids)
             grad, _, _ = channel.forward(acts, labels, example_ids=example_ids)
@@ -177,7 +179,7 @@ def test_a_device_behind_the_trunk_is_refused_as_stale_and_starts_over_from_zero
     first.forward(acts * 2, labels, example_ids=ids)
     assert server.handler.feedback["c0"].uplink.version == 2
     channel = server.local_channel(server.token(CUT, server_round=2), compression=TOPK)
-    channel.feedback = UplinkFeedback.from_state(before_last, max_bytes=MAX)
+    channel.feedback = ReferenceFeedback.from_state(before_last, max_bytes=MAX)
     sent = RecordingSends(channel)
     channel.forward(acts, labels, example_ids=ids)
     assert sent.versions == [1, 0]  # refused as stale, then sent again from zero
@@ -269,7 +271,7 @@ def test_a_new_cut_starts_the_references_over(trunk_server_factory):
     acts, labels, ids = batch(0, [0, 1, 2, 3])
     channel.forward(acts, labels, example_ids=ids)
     deeper = server.local_channel(server.token(2, server_round=2), compression=TOPK)
-    deeper.feedback = UplinkFeedback.from_state(channel.feedback.state(), max_bytes=MAX)
+    deeper.feedback = ReferenceFeedback.from_state(channel.feedback.state(), max_bytes=MAX)
     with torch.no_grad():
         at_two = model.stages[1](model.stages[0](torch.rand(4, 1, 8, 8)))
     sent = RecordingSends(deeper)
@@ -279,14 +281,14 @@ def test_a_new_cut_starts_the_references_over(trunk_server_factory):
 
 
 def test_references_survive_the_devices_context_and_a_smaller_bound_starts_over():
-    feedback = UplinkFeedback(max_bytes=MAX)
+    feedback = ReferenceFeedback(max_bytes=MAX)
     ids = torch.tensor([4, 1, 7])
     feedback.commit(ids, torch.randn(3, 2, 5))
     feedback.commit(ids[:2], torch.randn(2, 2, 5))
-    back = UplinkFeedback.from_state(feedback.state(), max_bytes=MAX)
+    back = ReferenceFeedback.from_state(feedback.state(), max_bytes=MAX)
     assert back.version == 2
     assert torch.equal(back.references.rows(ids, (2, 5)), feedback.references.rows(ids, (2, 5)))
-    smaller = UplinkFeedback.from_state(feedback.state(), max_bytes=2 * 40)
+    smaller = ReferenceFeedback.from_state(feedback.state(), max_bytes=2 * 40)
     assert smaller.version == 0 and len(smaller.references) == 0
 
 
@@ -367,10 +369,118 @@ def test_a_device_without_ids_is_stopped_before_sending(trunk_server_factory):
 
 def test_a_device_counts_its_references_in_its_training_memory():
     from clients.steps.split import SplitStep
+    from clients.steps.ushaped import UShapedStep
     from tests.helpers import plain_spec
 
     step = SplitStep(digits_like_model(), plain_spec(0.1), cut=CUT)
-    assert step.reference_bytes(144) == 144 * 32 * 8 * 8 * 4  # the SmallCNN's rows at cut 1
+    at_cut = 144 * 32 * 8 * 8 * 4  # the SmallCNN's rows at cut 1
+    assert step.feedback_bytes(144, TOPK) == at_cut
+    downlink_only = CompressionConfig(downlink="topk", error_feedback=True)
+    assert step.feedback_bytes(144, downlink_only) == 0  # the residuals are the trunk's
+    ushaped = UShapedStep(digits_like_model(), RunSpec(strategy=UShapedOptions()), cut=CUT)
+    features = 144 * 128 * 4  # the hidden layer's rows, its default tail cut
+    assert ushaped.feedback_bytes(144, TOPK) == at_cut + features
+    assert ushaped.feedback_bytes(144, downlink_only) == features
+
+
+# --- U-shaped ------------------------------------------------------------------------
+
+
+def ushaped_server(factory, compression: CompressionConfig):
+    return factory(digits_like_model(), protocol="ushaped", options=UShapedOptions(), lr=0.1,
+                   limits=limits(compression))
+
+
+def ushaped_batch(channel, seed: int, ids: list[int]) -> torch.Tensor:
+    """One U-shaped batch through ``channel``: forward, then d loss / d features back."""
+    acts, labels, example_ids = batch(seed, ids)
+    features = channel.forward_features(acts, example_ids=example_ids).requires_grad_(True)
+    nn.functional.cross_entropy(nn.functional.linear(features, torch.ones(10, 128)),
+                                labels).backward()
+    channel.backward(features.grad)
+    return features.detach()
+
+
+@pytest.mark.parametrize("compression", [
+    TOPK, CompressionConfig(uplink="int8", downlink="topk", error_feedback=True),
+    CompressionConfig(uplink="topk", downlink="none", error_feedback=True),
+])
+def test_ushaped_device_and_trunk_agree_on_activations_and_features_across_rounds(
+        compression, trunk_server_factory):
+    """Over gRPC, two rounds: the references of what each side sent agree bit for bit, and
+    the features the device trains its tail on are the trunk's references of them."""
+    server = ushaped_server(trunk_server_factory, compression)
+    kept: dict[str, dict] = {}
+    for server_round, batches in enumerate([[[0, 1, 2, 3], [4, 5, 0, 1]],
+                                            [[2, 3, 4, 5], [1, 0, 9, 8]]], start=1):
+        channel = server.channel(server.token(CUT, server_round=server_round),
+                                 compression=compression)
+        for name, state in kept.items():
+            setattr(channel, name, ReferenceFeedback.from_state(state, max_bytes=MAX))
+        for seed, ids in enumerate(batches):
+            features = ushaped_batch(channel, seed, ids)
+        kept = {name: getattr(channel, name).state() for name in ("feedback", "feature_feedback")
+                if getattr(channel, name) is not None}
+        channel.close()
+    memory = server.handler.feedback["c0"]
+    every = torch.arange(10)
+    pairs = [(memory.uplink, channel.feedback, (32, 8, 8)),
+             (memory.features, channel.feature_feedback, (128,))]
+    for trunk_side, device_side, shape in pairs:
+        assert (trunk_side is None) == (device_side is None)
+        if trunk_side is not None:
+            assert trunk_side.version == device_side.version == 4  # no reset between
+            assert torch.equal(trunk_side.references.rows(every, shape),
+                               device_side.references.rows(every, shape))
+    assert (memory.features is None) == (compression.downlink == "none")
+    if memory.features is not None:  # the last batch's features: the references of its ids
+        last = torch.tensor(batches[-1])
+        assert torch.equal(features, memory.features.references.rows(last, (128,)))
+    assert server.trunk.steps == 4 and server.handler.pending_sessions == 0
+
+
+def test_ushaped_stale_references_start_over_and_a_dropped_client_is_told(trunk_server_factory):
+    # Per example: the activations' references and the gradients' residuals (8 KiB each),
+    # the features' references (512 bytes). Three clients of 4 examples fit, not one of 8.
+    compression = CompressionConfig(uplink="topk", downlink="topk", error_feedback=True,
+                                    feedback_max_mib=240_000 / 2**20)
+    server = ushaped_server(trunk_server_factory, compression)
+    channels = {c: server.local_channel(server.token(CUT, client=c), compression=compression)
+                for c in ("a", "b", "x")}
+    for name in ("a", "b"):
+        ushaped_batch(channels[name], 0, [0, 1, 2, 3])
+    flood = channels["x"]
+    ushaped_batch(flood, 1, [100, 101, 102, 103])
+    ushaped_batch(flood, 1, [200, 201, 202, 203])  # past its share: its own rows go
+    assert "x" not in server.handler.feedback and flood.feedback_version == 0
+    assert {"a", "b"} <= set(server.handler.feedback._clients)
+    # A device whose references the trunk no longer has (here: it claims more batches).
+    behind = channels["a"]
+    behind.feedback.version = behind.feature_feedback.version = 7
+    sent = RecordingSends(behind)
+    ushaped_batch(behind, 2, [0, 1, 2, 3])
+    assert sent.versions == [7, 0] and server.handler.feedback["a"].version == 1
+    assert server.trunk.steps == 5
+
+
+def test_ushaped_refuses_ids_without_error_feedback_and_needs_them_with_it(
+        trunk_server_factory):
+    plain = ushaped_server(trunk_server_factory, CompressionConfig())
+    channel = plain.local_channel(plain.token(CUT))
+    acts, _, ids = batch(0, [0, 1])
+    data = request(1, "forward", activations=encode_tensor(acts),
+                   example_ids=encode_tensor(ids)).SerializeToString()
+    reply = send_raw(channel, data)
+    assert reply.refusal.reason == pb.Refusal.BAD_TENSOR
+    assert "without error feedback" in reply.refusal.detail
+    server = ushaped_server(trunk_server_factory, TOPK)
+    channel = server.local_channel(server.token(CUT), compression=TOPK)
+    with pytest.raises(ValueError, match="example_ids"):
+        channel.forward_features(acts)
+    data = request(1, "forward", activations=encode_tensor(acts)).SerializeToString()
+    reply = send_raw(channel, data)
+    assert reply.refusal.reason == pb.Refusal.BAD_TENSOR and "example_ids" in reply.refusal.detail
+    assert server.trunk.steps == plain.trunk.steps == 0
 
 
 @settings(max_examples=50, deadline=None)

@@ -506,6 +506,11 @@ def test_error_feedbacks_references_count_in_a_cuts_memory() -> None:
     assert [c.reference_bytes_per_example for c in costs] == [4000, 40]
     assert with_compression(shallow, uplink="none", downlink="topk",
                             error_feedback=True).reference_bytes_per_example == 0
+    # U-shaped: a lossy downlink's features (64 values a row here) are references too.
+    assert [with_compression(shallow, uplink=up, downlink=down, error_feedback=True,
+                             feature_entries=64).reference_bytes_per_example
+            for up, down in (("topk", "topk"), ("none", "topk"), ("topk", "none"))] == [
+        4000 + 256, 256, 4000]
     device = replace(client_state("phone", memory=100 + 4000 * 50 - 1), examples=50)
     assert not fits(device, costs[0]) and fits(device, costs[1])
     assert fits(replace(device, examples=0), costs[0])  # examples unknown: not charged
