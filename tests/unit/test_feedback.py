@@ -544,27 +544,28 @@ def test_a_client_within_its_share_is_never_dropped_for_another(batches):
 @settings(max_examples=60, deadline=None)
 @given(ids=st.lists(st.integers(-3, 2**40), min_size=0, max_size=6),
        dtype=st.sampled_from([torch.int64, torch.float32, torch.float16]),
-       version=st.integers(0, 2**64 - 1))
-def test_any_ids_and_version_get_a_gradient_or_a_reasoned_refusal(ids, dtype, version):
+       version=st.integers(0, 2**64 - 1), name=st.sampled_from(["splitfed_v2", "ushaped"]))
+def test_any_ids_and_version_get_an_answer_or_a_reasoned_refusal(ids, dtype, version, name):
     """Fuzzed ``example_ids`` and ``feedback_version`` never crash the trunk, and a refused
-    batch never steps it."""
+    batch never steps it (U-shaped: never leaves a graph waiting for its backward)."""
     trunk = Trunk(digits_like_model(), lr=0.1)
-    protocol = protocol_named("splitfed_v2")
+    protocol = protocol_named(name)
     tokens = TokenRegistry()
-    endpoint = TrunkEndpoint({protocol.name: protocol.trunk(trunk, protocol.options(),
-                                                            limits(TOPK))},
-                             tokens, limits=limits(TOPK))
+    handler = protocol.trunk(trunk, protocol.options(), limits(TOPK))
+    endpoint = TrunkEndpoint({protocol.name: handler}, tokens, limits=limits(TOPK))
     session, _ = endpoint.attach(tokens.issue(client="c0", protocol=protocol.name, cut=CUT,
                                               server_round=1, ttl_s=60), lambda: None)
     acts, labels, _ = batch(0, [0, 1, 2, 3])
+    split = name == "splitfed_v2"
     data = request(1, "forward", activations=encoder(TOPK, "uplink")(acts),
-                   labels=encode_tensor(labels),
+                   **({"labels": encode_tensor(labels)} if split else {}),
                    example_ids=encode_tensor(torch.tensor(ids, dtype=dtype)),
                    feedback_version=version).SerializeToString()
     reply = pb.Reply.FromString(endpoint.handle(session, data, peer="fuzz"))
     fine = (dtype == torch.int64 and len(set(ids)) == len(ids) == 4 and min(ids) >= 0
             and version == 0)
-    assert reply.WhichOneof("kind") == ("gradient" if fine else "refusal"), reply
-    assert trunk.steps == int(fine)
+    answer = "gradient" if split else "features"
+    assert reply.WhichOneof("kind") == (answer if fine else "refusal"), reply
+    assert (trunk.steps if split else handler.pending_sessions) == int(fine)
     if not fine:
         assert reply.refusal.reason != pb.Refusal.INTERNAL, reply.refusal.detail
