@@ -139,7 +139,9 @@ class ExampleRows:
 
 
 class ReferenceFeedback:
-    """Activations sent as compressed differences from per-example references.
+    """Rows sent as compressed differences from per-example references both sides keep.
+
+    The activations a device sends; U-shaped, also the features the trunk sends.
 
     Parameters
     ----------
@@ -191,6 +193,8 @@ class ReferenceFeedback:
 
 class ResidualFeedback:
     """Gradients compressed with what their example's previous compression dropped.
+
+    The gradient at the cut the trunk sends (kept by the trunk alone).
 
     Parameters
     ----------
