@@ -26,6 +26,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -261,13 +262,12 @@ class SplitSession:
     def __init__(self, pool: SharedTrunk | TrunkPerClient, *, limits: DataPlaneConfig) -> None:
         self.pool = pool
         self.limits = limits
-        compression = limits.compression
-        self._encode = encoder(compression, "downlink")  # the gradient at the cut
+        self._encode = encoder(limits.compression, "downlink")  # the gradient at the cut
+        #: The gradient's encoding and what the client will decode from it (error feedback).
+        self._round_trip = partial(round_trip, self._encode, name="grad",
+                                   max_bytes=limits.max_frame_bytes)
         #: Every client's per-example error feedback, kept across rounds (None: not used).
-        self.feedback = (FeedbackBook(uplink=compression.uplink_feedback,
-                                      downlink=compression.downlink_feedback,
-                                      max_bytes=compression.feedback_max_bytes)
-                         if compression.error_feedback else None)
+        self.feedback = FeedbackBook.for_compression(limits.compression)
 
     def handle(self, session: Session, request: AnyRequest) -> AnyReply:
         """Validate the batch against the client's cut, then train or evaluate."""
@@ -282,7 +282,8 @@ class SplitSession:
         acts, labels = checked_batch(part, trunk=trunk, cut=cut, limits=self.limits)
         if kind == "evaluate":
             return build(pb.Reply, metrics=evaluate_batch(trunk, cut, acts, labels))
-        ids = self._example_ids(part, len(acts))
+        ids = example_ids(part, len(acts), feedback=self.feedback,
+                          max_bytes=self.limits.max_frame_bytes)
         if ids is not None:
             return self._train_with_feedback(session, trunk, acts, labels, ids,
                                              int(part.feedback_version))
@@ -292,10 +293,6 @@ class SplitSession:
     def train(self, session: Session, trunk: Trunk, acts: Tensor, labels: Tensor) -> StepResult:
         """Step ``trunk`` on one batch (the hook a batching protocol overrides)."""
         return train_on_batch(trunk, session.grant.cut, acts, labels)
-
-    def _example_ids(self, part: pb.Forward, batch: int) -> Tensor | None:
-        return example_ids(part, batch, feedback=self.feedback,
-                           max_bytes=self.limits.max_frame_bytes)
 
     def _train_with_feedback(self, session: Session, trunk: Trunk, acts: Tensor, labels: Tensor,
                              ids: Tensor, version: int) -> AnyReply:
@@ -315,10 +312,6 @@ class SplitSession:
                  else memory.downlink.compress(ids, result.grad, self._round_trip))
         dropped = self.feedback.keep(client, memory)
         return self._gradient(result, frame, feedback_dropped=dropped)
-
-    def _round_trip(self, grad: Tensor) -> tuple[object, Tensor]:
-        """Encode the gradient; return its frame and what the client will decode from it."""
-        return round_trip(self._encode, grad, name="grad", max_bytes=self.limits.max_frame_bytes)
 
     @staticmethod
     def _gradient(result: StepResult, frame: object, *, feedback_dropped: bool = False

@@ -61,7 +61,7 @@ from splitlearn.dataplane.codec import (
     reply,
 )
 from splitlearn.dataplane.endpoint import Session
-from splitlearn.dataplane.feedback import ClientFeedback, FeedbackBook, RoundTrip
+from splitlearn.dataplane.feedback import ClientFeedback, FeedbackBook
 
 
 @dataclass
@@ -99,14 +99,13 @@ class UShapedSession:
         self.trunk: Trunk = pool.trunk
         self.tail_cut = tail_cut
         self.limits = limits
-        compression = limits.compression
-        self._encode = encoder(compression, "downlink")  # features and gradients
+        self._encode = encoder(limits.compression, "downlink")  # features and gradients
+        #: Each one's encoding and what the device will decode from it (error feedback).
+        self._round_trips = {name: partial(round_trip, self._encode, name=name,
+                                           max_bytes=limits.max_frame_bytes)
+                             for name in ("features", "grad")}
         #: Every client's per-example error feedback, kept across rounds (None: not used).
-        self.feedback = (FeedbackBook(uplink=compression.uplink_feedback,
-                                      downlink=compression.downlink_feedback,
-                                      features=compression.downlink_feedback,
-                                      max_bytes=compression.feedback_max_bytes)
-                         if compression.error_feedback else None)
+        self.feedback = FeedbackBook.for_compression(limits.compression, features=True)
         self._pending: dict[str, Pending] = {}
         self._lock = threading.Lock()
         #: Forwards whose backward never came before the next forward.
@@ -136,7 +135,7 @@ class UShapedSession:
                 return reply("gradient", grad=self._encode(grad))
             assert pending.ids is not None
             return reply("gradient", grad=pending.memory.downlink.compress(
-                pending.ids, grad, self._round_trip("grad")))
+                pending.ids, grad, self._round_trips["grad"]))
         if kind not in ("forward", "evaluate"):
             raise FrameError(Reason.UNEXPECTED_KIND, f"U-shaped sessions send 'forward', "
                              f"'backward' or 'evaluate', not {kind!r}")
@@ -180,14 +179,11 @@ class UShapedSession:
             frame = self._encode(features)
         else:
             frame, agreed = memory.features.encode(ids, features.float(),
-                                                   self._round_trip("features"))
+                                                   self._round_trips["features"])
             memory.features.commit(ids, agreed)
         dropped = self.feedback.keep(client, memory)
         return reply("features", features=frame, replaced_pending=replaced,
                      feedback_dropped=dropped)
-
-    def _round_trip(self, name: str) -> RoundTrip:
-        return partial(round_trip, self._encode, name=name, max_bytes=self.limits.max_frame_bytes)
 
     def _forward(self, session: Session, cut: int, activations: Tensor, *,
                  ids: Tensor | None = None, memory: ClientFeedback | None = None

@@ -456,8 +456,9 @@ class TrunkChannel:
         shape = tuple(activations.shape[1:])
         if self.feedback is not None and not self.feedback.references.holds(shape):
             self._restart_references()  # another cut now
-        frame, agreed = self._encode(activations), None
-        if self.feedback is not None:
+        if self.feedback is None:
+            frame, agreed = self._encode(activations), None
+        else:
             _admit(self.feedback.references, ids, shape)
             frame, agreed = self.feedback.encode(ids, activations.detach().float(),
                                                  self._round_trip)

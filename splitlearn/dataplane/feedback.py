@@ -36,6 +36,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
+from splitlearn.config import CompressionConfig
+
 #: Turns a tensor into what the receiver will decode (encode, then decode the frame).
 RoundTrip = Callable[[Tensor], tuple[object, Tensor]]
 
@@ -216,18 +218,8 @@ class ResidualFeedback:
         return frame
 
     def state(self) -> dict[str, Tensor]:
-        """Return the residuals (for keeping them between rounds)."""
+        """Return the residuals (to move them to another trunk)."""
         return self.residuals.state()
-
-    @classmethod
-    def from_state(cls, state: Mapping[str, Tensor], *, max_bytes: int) -> ResidualFeedback:
-        """Rebuild what :meth:`state` returned; from zero if it no longer fits ``max_bytes``."""
-        feedback = cls(max_bytes=max_bytes)
-        try:
-            feedback.residuals.load(state)
-        except FeedbackFull:
-            return cls(max_bytes=max_bytes)
-        return feedback
 
 
 class ClientFeedback:
@@ -322,6 +314,19 @@ class FeedbackBook:
         self._sizes: dict[str, int] = {}  # each kept client's bytes, as of its last keep
         self._bytes = 0  # their sum
         self._lock = threading.Lock()
+
+    @classmethod
+    def for_compression(cls, compression: CompressionConfig, *, features: bool = False
+                        ) -> FeedbackBook | None:
+        """Return the book a trunk keeps under ``compression`` (None: no error feedback).
+
+        ``features``: U-shaped sessions, whose features (sent down) are references too.
+        """
+        if not compression.error_feedback:
+            return None
+        return cls(uplink=compression.uplink_feedback, downlink=compression.downlink_feedback,
+                   features=features and compression.downlink_feedback,
+                   max_bytes=compression.feedback_max_bytes)
 
     def __contains__(self, client: str) -> bool:
         return client in self._clients

@@ -190,20 +190,28 @@ def test_a_device_behind_the_trunk_is_refused_as_stale_and_starts_over_from_zero
     assert server.trunk.steps == 3
 
 
+#: Bytes of one uplink reference at cut 1 of the digits SmallCNN.
+ROW = 32 * 8 * 8 * 4
+
+
+def budgeted(factory, rows: float, clients: str):
+    """A trunk keeping uplink references for ``rows`` rows in all, and a channel per client."""
+    compression = CompressionConfig(uplink="topk", downlink="none", error_feedback=True,
+                                    feedback_max_mib=rows * ROW / 2**20)
+    server = factory(digits_like_model(), limits=limits(compression))
+    return server, {c: server.local_channel(server.token(CUT, client=c), compression=TOPK)
+                    for c in clients}
+
+
 def test_the_trunk_drops_the_least_recently_served_clients_past_its_budget(trunk_server_factory):
     """Three clients' rows in a budget for two: the first is dropped, and starts over."""
-    row = 32 * 8 * 8 * 4
-    compression = CompressionConfig(uplink="topk", downlink="none", error_feedback=True,
-                                    feedback_max_mib=8.5 * row / 2**20)
-    server = trunk_server_factory(digits_like_model(), limits=limits(compression))
-    channels = {c: server.local_channel(server.token(CUT, client=c), compression=TOPK)
-                for c in ("a", "b", "c")}
+    server, channels = budgeted(trunk_server_factory, 8.5, "abc")
     acts, labels, ids = batch(0, [0, 1, 2, 3])
     for channel in channels.values():
         channel.forward(acts, labels, example_ids=ids)
     book = server.handler.feedback
     assert "a" not in book and "b" in book and "c" in book
-    assert book.nbytes <= 8.5 * row
+    assert book.nbytes <= 8.5 * ROW
     sent = RecordingSends(channels["a"])
     channels["a"].forward(acts, labels, example_ids=ids)
     assert sent.versions == [1, 0] and book["a"].uplink.version == 1
@@ -213,12 +221,7 @@ def test_a_client_flooding_ids_drops_its_own_rows_and_is_told_so(trunk_server_fa
     """Two devices hold 4 rows each in a budget for 12.5; a third sends new ids every batch.
     Past its share it loses its own rows, not theirs, and the reply tells it to start over
     (so it sends at version 0, without a stale refusal first)."""
-    row = 32 * 8 * 8 * 4
-    compression = CompressionConfig(uplink="topk", downlink="none", error_feedback=True,
-                                    feedback_max_mib=12.5 * row / 2**20)
-    server = trunk_server_factory(digits_like_model(), limits=limits(compression))
-    channels = {c: server.local_channel(server.token(CUT, client=c), compression=TOPK)
-                for c in ("a", "b", "x")}
+    server, channels = budgeted(trunk_server_factory, 12.5, "abx")
     acts, labels, ids = batch(0, [0, 1, 2, 3])
     for name in ("a", "b"):
         channels[name].forward(acts, labels, example_ids=ids)
@@ -227,7 +230,7 @@ def test_a_client_flooding_ids_drops_its_own_rows_and_is_told_so(trunk_server_fa
     assert "x" in book and flood.feedback.version == 1
     flood.forward(acts, labels, example_ids=ids + 200)  # 8 rows: past 12.5 / 3
     assert "x" not in book and flood.feedback.version == 0 and len(flood.feedback.references) == 0
-    assert "a" in book and "b" in book and book.nbytes <= 12.5 * row
+    assert "a" in book and "b" in book and book.nbytes <= 12.5 * ROW
     sent = RecordingSends(flood)
     flood.forward(acts, labels, example_ids=ids + 300)
     assert sent.versions == [0]  # started over in step with the trunk: no stale refusal
