@@ -144,7 +144,8 @@ def check_config(cfg: DictConfig) -> None:
     check_planner(config, protocol, model)
     spec = run_spec(cfg, host_flops_per_s=0.0)
     for cut in sorted({config.model.cut, *cuts_in_play(config, model)}):  # a planner's too
-        protocol.client(model, spec, cut=cut)
+        step = protocol.client(model, spec, cut=cut)
+    check_compression_applies(config, step)
     if config.privacy.nopeek_weight and not issubclass(protocol.client, SplitStep):
         raise ValueError(
             f"privacy.nopeek_weight={config.privacy.nopeek_weight} regularises the split "
@@ -181,24 +182,48 @@ def check_error_feedback(config: Config, protocol: Protocol) -> None:
     """Refuse ``dataplane.compression.error_feedback`` where it is not built or not private.
 
     Error feedback keys its memory by each row's example id, which the device sends with
-    the batch: built for the protocols whose every batch is a round trip through the
-    trunk (the split protocols and U-shaped), and not with activation noise, whose
-    accounting assumes the trunk cannot tell which noised rows are the same example.
+    the batch over the data plane: built for the split protocols, U-shaped and local loss
+    streaming its smashed data (whose trunk sends nothing down, so only a lossy uplink
+    has anything to feed back), and not with activation noise, whose accounting assumes
+    the trunk cannot tell which noised rows are the same example.
     """
-    if not config.dataplane.compression.error_feedback:
+    compression = config.dataplane.compression
+    if not compression.error_feedback:
         return
-    if not issubclass(protocol.client, (SplitStep, UShapedStep)):
+    if not issubclass(protocol.client, (SplitStep, UShapedStep, LocalLossStep)):
         raise ValueError(
             "dataplane.compression.error_feedback=true is built for the split protocols "
-            f"(splitfed_v1, splitfed_v2, sglr, sequential) and ushaped, not "
+            f"(splitfed_v1, splitfed_v2, sglr, sequential), ushaped and local_loss, not "
             f"strategy={protocol.name}"
         )
+    if issubclass(protocol.client, LocalLossStep) and not compression.uplink_feedback:
+        raise ValueError(
+            "dataplane.compression.error_feedback=true with strategy=local_loss needs a lossy "
+            f"dataplane.compression.uplink (got {compression.uplink!r}): the trunk sends "
+            "nothing down, so the uplink is all there is to feed back")
     if config.privacy.name == "activation_gaussian":
         raise ValueError(
             "dataplane.compression.error_feedback=true sends each row's example id, which "
             "links an example's noised releases across epochs; not with "
             "privacy=activation_gaussian"
         )
+
+
+def check_compression_applies(config: Config, step: ClientStep) -> None:
+    """Refuse compression where no data plane carries the tensors it would encode.
+
+    FedAvg sends whole models, and local loss in bulk mode its smashed data in the Flower
+    reply, as computed: a ``compression=`` there would change nothing, silently.
+    """
+    compression = config.dataplane.compression
+    if step.needs_channel or compression.uplink == compression.downlink == "none":
+        return
+    mode = " with strategy.bulk=true" if getattr(config.strategy, "bulk", False) else ""
+    raise ValueError(
+        f"dataplane.compression (uplink={compression.uplink!r}, downlink="
+        f"{compression.downlink!r}) encodes the tensors on the data plane; strategy="
+        f"{config.strategy.name}{mode} uses none (use compression=none"
+        + (", or strategy.bulk=false)" if mode else ")"))
 
 
 def check_trunk_workers(config: Config) -> None:

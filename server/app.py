@@ -177,7 +177,8 @@ def make_planning(cfg: DictConfig, trunk: Trunk, *, host_flops_per_s: float
                               topk_fraction=encoding.topk_fraction,
                               error_feedback=encoding.error_feedback,
                               feature_entries=0 if tail_cut is None else math.prod(
-                                  trunk.model.cut_shape(tail_cut)))
+                                  trunk.model.cut_shape(tail_cut)),
+                              in_flight_samples=step.in_flight_batches * cfg.strategy.batch_size)
              for c in cut_costs(trunk.model, batch_size=cfg.strategy.batch_size, leak=leak,
                                 tail_cut=tail_cut, frees_output=step.frees_sent_output)
              if c.cut in allowed]

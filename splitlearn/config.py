@@ -107,8 +107,8 @@ class CompressionConfig:
     uplink: str = "none"  # what devices send: smashed data (U-shaped: also d loss / d features)
     downlink: str = "none"  # what the trunk sends: the gradient at the cut (U-shaped: features)
     topk_fraction: float = 0.1  # topk: the share of each row's entries kept
-    # Make up what compression drops on the example's next visit (split protocols, ushaped; the
-    # device sends each row's example id): see splitlearn/dataplane/feedback.py.
+    # Make up what compression drops on the example's next visit (split protocols, ushaped,
+    # local_loss; the device sends each row's example id): see splitlearn/dataplane/feedback.py.
     error_feedback: bool = False
     # Trunk: all clients' rows together (past it, clients over an equal share are dropped,
     # least recently served first); device: its own.

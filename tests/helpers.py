@@ -77,7 +77,7 @@ def send_raw(channel: TrunkChannel, data: bytes) -> pb.Reply:
 
 
 class RecordingSends:
-    """Keeps the ``feedback_version`` of every ``forward`` a channel sends."""
+    """Keeps the ``feedback_version`` of every ``forward`` and ``smashed`` a channel sends."""
 
     def __init__(self, channel: TrunkChannel) -> None:
         self.versions: list[int] = []
@@ -85,8 +85,9 @@ class RecordingSends:
 
         def recording(data: bytes) -> None:
             sent = pb.Request.FromString(data)
-            if sent.WhichOneof("kind") == "forward":
-                self.versions.append(sent.forward.feedback_version)
+            kind = sent.WhichOneof("kind")
+            if kind in ("forward", "smashed"):
+                self.versions.append(getattr(sent, kind).feedback_version)
             send(data)
 
         channel.transport.send = recording  # type: ignore[method-assign]

@@ -61,6 +61,9 @@ class ClientStep:
     sends_activations: ClassVar[bool] = True
     #: Whether the step talks to the trunk over a data-plane channel.
     needs_channel: ClassVar[bool] = True
+    #: Training batches sent before the trunk's answer is awaited (local loss: its window).
+    #: With uplink error feedback each is kept until acknowledged, to be sent again if stale.
+    in_flight_batches: ClassVar[int] = 0
     #: Training batches per round whose memory is measured (the first ones): every
     #: batch holds as much, and the meter's hooks cost time on each batch it watches.
     measured_batches: ClassVar[int] = 3
@@ -126,11 +129,15 @@ class ClientStep:
     def feedback_bytes(self, examples: int, compression: CompressionConfig) -> int:
         """Bytes of the float32 rows that error feedback keeps for ``examples`` examples.
 
-        A reference per example at the cut with a lossy uplink (none without error feedback).
+        With a lossy uplink, a reference per example at the cut, and the rows of the
+        batches in flight (:attr:`in_flight_batches`; at most a round's); none without
+        error feedback.
         """
         if not compression.uplink_feedback:
             return 0
-        return 4 * examples * torch.Size(self.model.cut_shape(self.cut)).numel()
+        in_flight = min(self.in_flight_batches * self.spec.strategy.batch_size,
+                        examples * self.spec.strategy.local_epochs)
+        return 4 * (examples + in_flight) * torch.Size(self.model.cut_shape(self.cut)).numel()
 
     def train_batch(
         self, inputs: Tensor, labels: Tensor, channel: TrunkChannel | None,

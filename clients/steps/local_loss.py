@@ -26,6 +26,7 @@ from splitlearn.aux_head import (
 from splitlearn.calibration import client_train_memory_bytes
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import TrunkChannel
+from splitlearn.dataplane.channel import DEFAULT_WINDOW
 from splitlearn.models import SplittableModel
 from splitlearn.split import load_bottom_state
 
@@ -38,6 +39,7 @@ class LocalLossStep(ClientStep):
 
     exchanges_per_batch = 0
     receives_gradient = False
+    in_flight_batches = DEFAULT_WINDOW
 
     def __init__(
         self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
@@ -102,7 +104,7 @@ class LocalLossStep(ClientStep):
         if channel is None:
             self._keep(released, labels)
         else:
-            channel.send_smashed(released, labels)
+            channel.send_smashed(released, labels, example_ids=self.batch_ids)
         return float(loss.detach()), hits(logits, labels)
 
     def _keep(self, activations: Tensor, labels: Tensor) -> None:

@@ -15,6 +15,11 @@ batches in arrival order (the gradient at the cut is discarded).
   empty (or after ``drain_timeout_s``, dropping what is left). Batches of a
   vanished client trained before the round ended stay applied, as trunk steps of
   a vanished client do in SplitFed v2.
+* **Error feedback** (a lossy uplink with ``dataplane.compression.error_feedback``):
+  the frame's activations are the compressed difference from the client's references,
+  which move when the frame is queued (before its ack), as the device's moved when it
+  sent it. A refusal leaves them; the device learns of it behind the frames in flight,
+  which the stale rule then refuses too (see :meth:`FeedbackBook.prepare`).
 * **Bulk mode** has no stream: the strategy hands every finished client's
   batches to :meth:`SmashedSession.train_bulk`, which validates each like a
   ``smashed`` frame and trains on it at once.
@@ -33,7 +38,13 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from server.sessions.merge import client_copy
-from server.sessions.split import SharedTrunk, checked_batch, train_on_batch
+from server.sessions.split import (
+    SharedTrunk,
+    checked_batch,
+    example_ids,
+    prepare_feedback,
+    train_on_batch,
+)
 from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane import trunk_pb2 as pb
@@ -43,9 +54,11 @@ from splitlearn.dataplane.codec import (
     FrameError,
     Reason,
     build,
+    check_finite,
     encode_tensor,
 )
 from splitlearn.dataplane.endpoint import Session
+from splitlearn.dataplane.feedback import FeedbackBook
 from splitlearn.dataplane.frames import Frame
 
 log = logging.getLogger(__name__)
@@ -103,6 +116,8 @@ class SmashedSession:
         self._busy = False
         self._stopping = False
         self._worker: threading.Thread | None = None
+        #: Every client's activation references (lossy uplink with error feedback), or None.
+        self.feedback = FeedbackBook.for_compression(limits.compression, gradient=False)
 
     def _checked(self, client: str, cut: int, part: Frame | pb.Smashed) -> _Batch:
         acts, labels = checked_batch(part, trunk=self.trunk, cut=cut, limits=self.limits)
@@ -113,8 +128,27 @@ class SmashedSession:
         if request.WhichOneof("kind") != "smashed":
             raise FrameError(Reason.UNEXPECTED_KIND, "local-loss sessions send 'smashed', not "
                              f"{request.WhichOneof('kind')!r}")
-        batch = self._checked(session.grant.client, session.grant.cut, request.smashed)
-        return pb.Reply(ack=pb.Ack(queued=self._submit(batch)))
+        part = request.smashed
+        batch = self._checked(session.grant.client, session.grant.cut, part)
+        ids = example_ids(part, len(batch.labels), feedback=self.feedback,
+                          max_bytes=self.limits.max_frame_bytes)
+        if ids is None:
+            return pb.Reply(ack=pb.Ack(queued=self._submit(batch)))
+        return self._submit_with_feedback(batch, ids, int(part.feedback_version))
+
+    def _submit_with_feedback(self, batch: _Batch, ids: Tensor, version: int) -> AnyReply:
+        """Queue reference + the sent difference; the references move once it is queued."""
+        assert self.feedback is not None
+        # Checked and made room for first: a refusal leaves the references as they were.
+        memory = prepare_feedback(self.feedback, batch.client, ids,
+                                  tuple(batch.activations.shape[1:]), version=version)
+        assert memory.uplink is not None
+        acts = memory.uplink.reconstruct(ids, batch.activations)
+        check_finite(acts, name="activations", max_abs=self.limits.max_abs_value)
+        queued = self._submit(_Batch(batch.client, batch.cut, acts, batch.labels))
+        memory.uplink.commit(ids, acts)
+        dropped = self.feedback.keep(batch.client, memory)
+        return pb.Reply(ack=pb.Ack(queued=queued, feedback_dropped=dropped))
 
     @property
     def pending(self) -> int:

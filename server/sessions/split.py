@@ -217,9 +217,9 @@ def evaluate_batch(trunk: Trunk, cut: int, activations: Tensor, labels: Tensor) 
     return pb.Metrics(loss=loss, correct=int((logits.argmax(dim=1) == labels).sum()))
 
 
-def example_ids(part: pb.Forward, batch: int, *, feedback: FeedbackBook | None,
+def example_ids(part: pb.Forward | pb.Smashed, batch: int, *, feedback: FeedbackBook | None,
                 max_bytes: int) -> Tensor | None:
-    """Return a forward's example ids under error feedback, else None (refusing any sent)."""
+    """Return a training frame's example ids under error feedback, else None (refusing any)."""
     sent: TensorMessage | None = present(part, "example_ids")
     if feedback is None:
         if sent is not None:

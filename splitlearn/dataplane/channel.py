@@ -14,7 +14,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import grpc
@@ -35,6 +37,8 @@ DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 DEFAULT_WINDOW = 32
 #: How often a stream's watchdog looks for an overdue reply (its deadline's precision).
 WATCHDOG_PERIOD_S = 0.05
+#: Times a one-way batch refused as stale is sent again (each after the references restart).
+MAX_STALE_RESENDS = 2
 _END = object()
 
 
@@ -249,6 +253,17 @@ def _admit(rows: ExampleRows, ids: torch.Tensor, row_shape: tuple[int, ...]) -> 
         raise ValueError(f"error feedback: {err}") from None
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """A one-way batch sent with error feedback, kept until its ack (to send it again)."""
+
+    activations: torch.Tensor
+    labels: torch.Tensor
+    ids: torch.Tensor
+    generation: int  # of the device's references it was encoded against
+    resends: int = 0
+
+
 class TrunkChannel:
     """Typed requests to the trunk over a transport, with byte and wait accounting.
 
@@ -302,12 +317,15 @@ class TrunkChannel:
         #: Seconds spent waiting for the trunk (sending, and for replies).
         self.wait_s = 0.0
         self._seq = 0
-        self._in_flight = 0
+        #: One-way requests sent and not acknowledged, oldest first (None: no error feedback).
+        self._unacked: deque[_InFlight | None] = deque()
+        #: Restarts of the references (a batch encoded before the last one is stale anyway).
+        self._generation = 0
 
     @property
     def in_flight(self) -> int:
         """One-way requests sent and not yet acknowledged."""
-        return self._in_flight
+        return len(self._unacked)
 
     def next_seq(self) -> int:
         """Take the next request sequence number (every request needs a fresh one)."""
@@ -389,6 +407,7 @@ class TrunkChannel:
 
     def _restart_references(self) -> None:
         """Zero the references this device shares with the trunk (its next batch: version 0)."""
+        self._generation += 1
         if self.feedback is not None:
             self.feedback = ReferenceFeedback(max_bytes=self._feedback_max_bytes)
         if self.feature_feedback is not None:
@@ -494,22 +513,64 @@ class TrunkChannel:
 
     # --- local loss: one way ---------------------------------------------------------
 
-    def send_smashed(self, activations: torch.Tensor, labels: torch.Tensor) -> None:
-        """Send one batch of smashed data without waiting, unless ``window`` are unacked."""
-        while self._in_flight >= self.window:
+    def send_smashed(self, activations: torch.Tensor, labels: torch.Tensor, *,
+                     example_ids: torch.Tensor | None = None) -> None:
+        """Send one batch of smashed data without waiting, unless ``window`` are unacked.
+
+        With error feedback and a lossy uplink, ``example_ids`` are required and the rows
+        go as differences from the references, which move as the batch is sent. Until its
+        ack the batch is kept, to be sent again from zero should the trunk find it stale.
+        """
+        while self.in_flight >= self.window:
             self._collect_ack()
-        self._send("smashed", activations=self._encode(activations),
-                   labels=encode_tensor(labels))
-        self._in_flight += 1
+        if self.feedback is None:
+            self._send("smashed", activations=self._encode(activations),
+                       labels=encode_tensor(labels))
+            self._unacked.append(None)
+            return
+        self._send_difference(_InFlight(activations.detach().float(), labels,
+                                        _checked_ids(example_ids), self._generation))
+
+    def _send_difference(self, batch: _InFlight) -> None:
+        shape = tuple(batch.activations.shape[1:])
+        assert self.feedback is not None
+        if not self.feedback.references.holds(shape):  # another cut now
+            self._restart_references()
+        feedback = self.feedback
+        _admit(feedback.references, batch.ids, shape)
+        frame, agreed = feedback.encode(batch.ids, batch.activations, self._round_trip)
+        self._send("smashed", activations=frame, labels=encode_tensor(batch.labels),
+                   example_ids=encode_tensor(batch.ids), feedback_version=feedback.version)
+        feedback.commit(batch.ids, agreed)  # the trunk's move as it queues the batch
+        self._unacked.append(replace(batch, generation=self._generation))
 
     def flush(self) -> None:
         """Wait for every one-way frame's ack; raise if the trunk refused one."""
-        while self._in_flight:
+        while self._unacked:
             self._collect_ack()
 
     def _collect_ack(self) -> None:
-        self._in_flight -= 1
-        self._receive("ack")
+        """Take the oldest frame's ack; a stale batch goes again from zero, other refusals raise.
+
+        Stale: the device's references were not the trunk's (it lost a round's, or the
+        trunk dropped them). The trunk then dropped its own, so every frame behind it in
+        flight comes back stale too: the first restarts the references, and each is sent
+        again from the new ones.
+        """
+        batch = self._unacked.popleft()
+        try:
+            reply = self._receive("ack")
+        except TrunkRejected as err:
+            stale = err.reason == "STALE_FEEDBACK"
+            if batch is None or not stale or batch.resends >= MAX_STALE_RESENDS:
+                raise
+            if batch.generation == self._generation:
+                self._restart_references()
+            self._send_difference(replace(batch, resends=batch.resends + 1))
+            return
+        current = batch is not None and batch.generation == self._generation
+        if reply.ack.feedback_dropped and current:  # as in _forward_difference
+            self._restart_references()
 
     def close(self) -> None:
         """End the session cleanly."""

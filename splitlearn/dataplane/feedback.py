@@ -19,6 +19,8 @@ each training batch (``Forward.example_ids``):
 
 U-shaped sessions (:mod:`server.sessions.ushaped`) also send the trunk's features as
 differences from references that both sides keep (the uplink rule, the other way).
+Local-loss sessions (:mod:`server.sessions.smashed`) use the uplink rule alone, with the
+references moving as a frame is sent and as it is queued, ahead of its ack.
 
 Both sides decode the same bytes with the same code, so their references agree bit
 for bit; a version (the batches the references absorbed since they were zero) tells
@@ -316,15 +318,18 @@ class FeedbackBook:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_compression(cls, compression: CompressionConfig, *, features: bool = False
-                        ) -> FeedbackBook | None:
-        """Return the book a trunk keeps under ``compression`` (None: no error feedback).
+    def for_compression(cls, compression: CompressionConfig, *, features: bool = False,
+                        gradient: bool = True) -> FeedbackBook | None:
+        """Return the book a trunk keeps under ``compression`` (None: nothing to feed back).
 
         ``features``: U-shaped sessions, whose features (sent down) are references too.
+        ``gradient``: whether the trunk sends a gradient at the cut (local loss: none, so
+        only the activations' references are kept).
         """
-        if not compression.error_feedback:
+        downlink = gradient and compression.downlink_feedback
+        if not (compression.error_feedback and (compression.uplink_feedback or downlink)):
             return None
-        return cls(uplink=compression.uplink_feedback, downlink=compression.downlink_feedback,
+        return cls(uplink=compression.uplink_feedback, downlink=downlink,
                    features=features and compression.downlink_feedback,
                    max_bytes=compression.feedback_max_bytes)
 
@@ -345,8 +350,12 @@ class FeedbackBook:
 
         Version 0 (with references) starts the client from zero, as does a batch at
         another cut than the kept rows'; the fresh memory replaces the old one only at
-        :meth:`keep`, so a refused batch changes nothing. ``feature_shape``: a row of the
-        features a U-shaped trunk sends.
+        :meth:`keep`, so a refused batch changes nothing, except a stale one: that drops
+        the client's memory. A device behind the trunk (it lost a round's references)
+        may have more frames in flight (local loss sends without waiting), and one of
+        them could carry the trunk's version by chance; dropped, none can until the
+        device starts over from version 0. ``feature_shape``: a row of the features a
+        U-shaped trunk sends.
 
         Raises
         ------
@@ -363,6 +372,9 @@ class FeedbackBook:
             memory = ClientFeedback(uplink=self.uplink, downlink=self.downlink,
                                     max_bytes=self.max_bytes, features=self.features)
         if memory.version is not None and memory.version != version:
+            with self._lock:
+                if self._clients.get(client) is memory:
+                    self._drop(client)
             raise StaleFeedback(f"this batch was encoded against version {version} of client "
                                 f"{client}'s references; the trunk holds version "
                                 f"{memory.version}: send it again from version 0")

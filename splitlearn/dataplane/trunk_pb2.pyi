@@ -67,12 +67,16 @@ class Backward(_message.Message):
     def __init__(self, grad: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Smashed(_message.Message):
-    __slots__ = ("activations", "labels")
+    __slots__ = ("activations", "labels", "example_ids", "feedback_version")
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_VERSION_FIELD_NUMBER: _ClassVar[int]
     activations: Tensor
     labels: Tensor
-    def __init__(self, activations: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    example_ids: Tensor
+    feedback_version: int
+    def __init__(self, activations: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ..., example_ids: _Optional[_Union[Tensor, _Mapping]] = ..., feedback_version: _Optional[int] = ...) -> None: ...
 
 class Request(_message.Message):
     __slots__ = ("seq", "forward", "evaluate", "backward", "smashed")
@@ -119,10 +123,12 @@ class Features(_message.Message):
     def __init__(self, features: _Optional[_Union[Tensor, _Mapping]] = ..., replaced_pending: _Optional[bool] = ..., feedback_dropped: _Optional[bool] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("queued",)
+    __slots__ = ("queued", "feedback_dropped")
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_DROPPED_FIELD_NUMBER: _ClassVar[int]
     queued: int
-    def __init__(self, queued: _Optional[int] = ...) -> None: ...
+    feedback_dropped: bool
+    def __init__(self, queued: _Optional[int] = ..., feedback_dropped: _Optional[bool] = ...) -> None: ...
 
 class Refusal(_message.Message):
     __slots__ = ("reason", "detail")

@@ -8,14 +8,18 @@ import pytest
 
 from tests.integration.test_simulation import read_clients, run_experiment, run_in_process
 
+#: Each mode's overrides beyond the protocol's.
+MODES = {"streaming": [], "bulk": ["strategy.bulk=true"],
+         "top-k with error feedback": ["compression=topk_feedback"]}
 
-@pytest.mark.parametrize("mode", [pytest.param("streaming", marks=pytest.mark.serial), "bulk"])
+
+@pytest.mark.parametrize("mode", [pytest.param("streaming", marks=pytest.mark.serial), "bulk",
+                                  "top-k with error feedback"])
 def test_local_loss_two_rounds_three_clients(tmp_path, mode):
-    overrides = ["strategy=local_loss", "strategy.num_rounds=2", "num_clients=3", "logger=none"]
-    if mode == "bulk":
-        overrides.append("strategy.bulk=true")
-    # Bulk's smashed data rides in the Flower reply: the engine adds nothing the streaming
-    # run through it does not already cover.
+    overrides = ["strategy=local_loss", "strategy.num_rounds=2", "num_clients=3", "logger=none",
+                 *MODES[mode]]
+    # Bulk's smashed data rides in the Flower reply, and error feedback changes only what
+    # the data plane carries: the engine adds nothing the streaming run through it covers.
     run_dir = (run_experiment if mode == "streaming" else run_in_process)(tmp_path, *overrides)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["strategy"]["name"] == "local_loss"
@@ -32,6 +36,9 @@ def test_local_loss_two_rounds_three_clients(tmp_path, mode):
         # Streaming gets one small ack per batch; bulk gets nothing before the reply.
         # Besides the weights (in the Flower messages), only acks come back: no gradients.
         data_plane_down = r["bytes_down"] - r["weights_bytes_down"]
-        assert (data_plane_down > 0) == (mode == "streaming")
-        assert data_plane_down < (r["bytes_up"] - r["weights_bytes_up"]) / 100
+        data_plane_up = r["bytes_up"] - r["weights_bytes_up"]
+        assert (data_plane_down > 0) == (mode != "bulk")
+        assert data_plane_down < data_plane_up / (100 if mode == "streaming" else 10)
+        # Dense smashed data: 8 KiB a sample at cut 1 (float32); a tenth of it in top-k.
+        assert (data_plane_up < 1024 * r["examples"]) == (mode == "top-k with error feedback")
     assert len(rows) == 6 and {row["status"] for row in rows} == {"ok"}

@@ -179,9 +179,11 @@ def test_queue_bytes_replaced_queue_batches():
           "dataplane.ssl_keyfile=/nonexistent/server.key"],
          "dataplane.ssl_certfile='/nonexistent/server.pem'"),
         (["dataplane.compression.error_feedback=true"], "dataplane.compression.error_feedback"),
-        (["compression=topk_feedback", "strategy=fedavg"],
-         "dataplane.compression.error_feedback=true is built for the split protocols"),
-        (["compression=topk_feedback", "strategy=local_loss"], "not strategy=local_loss"),
+        (["compression=int8", "strategy=fedavg"], "strategy=fedavg uses none"),
+        (["compression=int8", "strategy=local_loss", "strategy.bulk=true"],
+         "strategy=local_loss with strategy.bulk=true uses none"),
+        (["compression=topk_feedback", "strategy=local_loss", "dataplane.compression.uplink=none"],
+         "needs a lossy dataplane.compression.uplink (got 'none')"),
         (["compression=topk_feedback", "privacy=activation_gaussian"],
          "not with privacy=activation_gaussian"),
         (["compression=topk_feedback", "dataplane.compression.feedback_max_mib=0"],
@@ -190,7 +192,8 @@ def test_queue_bytes_replaced_queue_batches():
     ids=["unknown-protocol", "cut-past-the-end", "cut-zero", "missing-dataset-folder",
          "path-for-digits", "zero-noise", "too-few-clients", "undefined-profile",
          "tls-certificate-without-key", "tls-ca-without-certificate", "tls-missing-file",
-         "feedback-with-nothing-dropped", "feedback-fedavg", "feedback-local-loss",
+         "feedback-with-nothing-dropped", "compression-fedavg", "compression-bulk",
+         "feedback-local-loss-nothing-up",
          "feedback-activation-noise", "feedback-no-memory"],
 )
 def test_preflight_refuses_naming_the_key(overrides, key):
@@ -207,7 +210,9 @@ def test_preflight_accepts_the_same_settings_within_range(tmp_path):
                       ["num_clients=3", "strategy.min_train_nodes=3"],
                       ["privacy=activation_gaussian", "privacy.noise_multiplier=0.5"],
                       ["devices=phones", "+devices.mix.wearable=0.5"],
-                      ["compression=topk_feedback", "strategy=ushaped"]):
+                      ["compression=topk_feedback", "strategy=ushaped"],
+                      ["compression=topk_feedback", "strategy=local_loss"],
+                      ["compression=int8", "strategy=local_loss"]):
         check_config(composed(*overrides))
 
 

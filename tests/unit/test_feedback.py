@@ -371,8 +371,10 @@ def test_a_device_without_ids_is_stopped_before_sending(trunk_server_factory):
 
 
 def test_a_device_counts_its_references_in_its_training_memory():
+    from clients.steps.local_loss import LocalLossStep
     from clients.steps.split import SplitStep
     from clients.steps.ushaped import UShapedStep
+    from strategies.local_loss import LocalLossOptions
     from tests.helpers import plain_spec
 
     step = SplitStep(digits_like_model(), plain_spec(0.1), cut=CUT)
@@ -384,6 +386,13 @@ def test_a_device_counts_its_references_in_its_training_memory():
     features = 144 * 128 * 4  # the hidden layer's rows, its default tail cut
     assert ushaped.feedback_bytes(144, TOPK) == at_cut + features
     assert ushaped.feedback_bytes(144, downlink_only) == features
+    # Local loss also keeps the batches of its window in flight (32 of 32 here) until acked.
+    local = LocalLossStep(digits_like_model(), RunSpec(strategy=LocalLossOptions(
+        batch_size=32, local_epochs=2)), cut=CUT)
+    row = 32 * 8 * 8 * 4
+    assert local.feedback_bytes(144, TOPK) == (144 + 2 * 144) * row  # all of a round's
+    assert local.feedback_bytes(5000, TOPK) == (5000 + 32 * 32) * row
+    assert local.feedback_bytes(144, downlink_only) == 0
 
 
 # --- U-shaped ------------------------------------------------------------------------
@@ -486,6 +495,120 @@ def test_ushaped_refuses_ids_without_error_feedback_and_needs_them_with_it(
     assert server.trunk.steps == plain.trunk.steps == 0
 
 
+# --- local loss: one way, a window of frames in flight ------------------------------------
+
+
+def local_loss_server(factory, compression: CompressionConfig = TOPK):
+    return factory(digits_like_model(), protocol="local_loss", limits=limits(compression))
+
+
+def stream(channel, batches: list[list[int]], *, seed: int = 0) -> None:
+    """Send one smashed batch per id list without waiting, then collect every ack."""
+    for n, ids in enumerate(batches):
+        acts, labels, example_ids = batch(seed + n, ids)
+        channel.send_smashed(acts, labels, example_ids=example_ids)
+    channel.flush()
+
+
+def trained(server, client: str = "c0") -> int:
+    """Batches the local-loss trunk trained for ``client``, once its queue is drained."""
+    server.handler.finish_round([client])
+    return server.handler.trained[client]
+
+
+def assert_same_references(server, channel, client: str = "c0") -> None:
+    every = torch.arange(10)
+    memory = server.handler.feedback[client].uplink
+    assert memory.version == channel.feedback.version
+    assert torch.equal(memory.references.rows(every, (32, 8, 8)),
+                       channel.feedback.references.rows(every, (32, 8, 8)))
+
+
+@pytest.mark.parametrize("compression", [
+    TOPK, CompressionConfig(uplink="int8", downlink="none", error_feedback=True),
+])
+def test_local_loss_device_and_trunk_hold_the_same_references_across_rounds(
+        compression, trunk_server_factory):
+    """Over gRPC, two rounds of frames in flight: the references move as frames are sent
+    and as they are queued, and agree bit for bit; the trunk trains on every batch."""
+    server = local_loss_server(trunk_server_factory, compression)
+    assert server.handler.feedback.downlink is False  # nothing comes down to feed back
+    kept = None
+    for server_round, batches in enumerate([[[0, 1, 2, 3], [4, 5, 0, 1]],
+                                            [[2, 3, 4, 5], [1, 0, 9, 8]]], start=1):
+        channel = server.channel(server.token(CUT, server_round=server_round),
+                                 compression=compression)
+        if kept is not None:
+            channel.feedback = ReferenceFeedback.from_state(kept, max_bytes=MAX)
+        sent = RecordingSends(channel)
+        stream(channel, batches, seed=2 * server_round)
+        assert sent.versions == [2 * server_round - 2, 2 * server_round - 1]
+        kept = channel.feedback.state()
+        channel.close()
+    assert channel.feedback.version == 4  # no reset between the rounds
+    assert_same_references(server, channel)
+    assert len(server.handler.feedback["c0"].uplink.references) == 8
+    assert trained(server) == 4
+
+
+def test_a_local_loss_device_behind_the_trunk_sends_its_whole_window_again_from_zero(
+        trunk_server_factory):
+    """The device lost a round's last two batches (kept its references after the first).
+    Its next three frames are in flight before the first is refused as stale; the third
+    carries the trunk's version (3) by chance, and must not be taken for current."""
+    server = local_loss_server(trunk_server_factory)
+    first = server.local_channel(server.token(CUT), compression=TOPK)
+    acts, labels, ids = batch(0, [0, 1, 2, 3])
+    first.send_smashed(acts, labels, example_ids=ids)
+    lost = first.feedback.state()  # what the device kept: version 1
+    stream(first, [[0, 1, 2, 3], [0, 1, 2, 3]], seed=1)
+    assert server.handler.feedback["c0"].uplink.version == 3
+    channel = server.local_channel(server.token(CUT, server_round=2), compression=TOPK)
+    channel.feedback = ReferenceFeedback.from_state(lost, max_bytes=MAX)
+    sent = RecordingSends(channel)
+    stream(channel, [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 8, 9]], seed=5)
+    assert sent.versions == [1, 2, 3, 0, 1, 2]  # all three refused, then sent from zero
+    assert channel.feedback.version == 3 and channel.in_flight == 0
+    assert_same_references(server, channel)
+    assert trained(server) == 6  # 3, then the 3 sent again; none of the stale ones
+
+
+def test_a_local_loss_client_past_its_share_is_told_in_the_ack_and_starts_over(
+        trunk_server_factory):
+    """As for split sessions: the flooder loses its own rows, its frames behind the one
+    that told it are refused as stale and sent again from the new references."""
+    compression = CompressionConfig(uplink="topk", downlink="none", error_feedback=True,
+                                    feedback_max_mib=12.5 * ROW / 2**20)
+    server = local_loss_server(trunk_server_factory, compression)
+    channels = {c: server.local_channel(server.token(CUT, client=c), compression=compression)
+                for c in "abx"}
+    for name in ("a", "b"):
+        stream(channels[name], [[0, 1, 2, 3]])
+    flood = channels["x"]
+    sent = RecordingSends(flood)
+    stream(flood, [[100, 101, 102, 103], [200, 201, 202, 203], [300, 301, 302, 303]])
+    # The second frame took it past 12.5 / 3 rows: dropped, and told so. The third was
+    # encoded against references the trunk no longer has: stale, and sent again.
+    assert sent.versions == [0, 1, 2, 0]
+    assert flood.feedback.version == 1 and server.handler.feedback["x"].uplink.version == 1
+    assert {"a", "b"} <= set(server.handler.feedback._clients)
+    assert server.handler.feedback.nbytes <= 12.5 * ROW
+    assert trained(server, "x") == 3
+
+
+def test_a_local_loss_refusal_other_than_stale_still_fails_the_round(trunk_server_factory):
+    """Error feedback sends only stale batches again: a bad value stops the device."""
+    server = local_loss_server(trunk_server_factory)
+    channel = server.local_channel(server.token(CUT), compression=TOPK)
+    acts, labels, ids = batch(0, [0, 1, 2, 3])
+    channel.send_smashed(acts * 1e7, labels, example_ids=ids)  # past max_abs_value
+    with pytest.raises(TrunkRejected, match="OUT_OF_RANGE"):
+        channel.flush()
+    with pytest.raises(ValueError, match="example_ids"):
+        channel.send_smashed(acts, labels)
+    assert trained(server) == 0
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from("abcd"), st.lists(st.integers(0, 30), min_size=1,
                                                               max_size=5, unique=True)),
@@ -547,10 +670,12 @@ def test_a_client_within_its_share_is_never_dropped_for_another(batches):
 @settings(max_examples=60, deadline=None)
 @given(ids=st.lists(st.integers(-3, 2**40), min_size=0, max_size=6),
        dtype=st.sampled_from([torch.int64, torch.float32, torch.float16]),
-       version=st.integers(0, 2**64 - 1), name=st.sampled_from(["splitfed_v2", "ushaped"]))
+       version=st.integers(0, 2**64 - 1),
+       name=st.sampled_from(["splitfed_v2", "ushaped", "local_loss"]))
 def test_any_ids_and_version_get_an_answer_or_a_reasoned_refusal(ids, dtype, version, name):
     """Fuzzed ``example_ids`` and ``feedback_version`` never crash the trunk, and a refused
-    batch never steps it (U-shaped: never leaves a graph waiting for its backward)."""
+    batch never steps it (U-shaped: never leaves a graph waiting for its backward; local
+    loss: is never queued)."""
     trunk = Trunk(digits_like_model(), lr=0.1)
     protocol = protocol_named(name)
     tokens = TokenRegistry()
@@ -559,16 +684,20 @@ def test_any_ids_and_version_get_an_answer_or_a_reasoned_refusal(ids, dtype, ver
     session, _ = endpoint.attach(tokens.issue(client="c0", protocol=protocol.name, cut=CUT,
                                               server_round=1, ttl_s=60), lambda: None)
     acts, labels, _ = batch(0, [0, 1, 2, 3])
-    split = name == "splitfed_v2"
-    data = request(1, "forward", activations=encoder(TOPK, "uplink")(acts),
-                   **({"labels": encode_tensor(labels)} if split else {}),
+    kind, answer = {"splitfed_v2": ("forward", "gradient"), "ushaped": ("forward", "features"),
+                    "local_loss": ("smashed", "ack")}[name]
+    data = request(1, kind, activations=encoder(TOPK, "uplink")(acts),
+                   **({} if name == "ushaped" else {"labels": encode_tensor(labels)}),
                    example_ids=encode_tensor(torch.tensor(ids, dtype=dtype)),
                    feedback_version=version).SerializeToString()
     reply = pb.Reply.FromString(endpoint.handle(session, data, peer="fuzz"))
     fine = (dtype == torch.int64 and len(set(ids)) == len(ids) == 4 and min(ids) >= 0
             and version == 0)
-    answer = "gradient" if split else "features"
     assert reply.WhichOneof("kind") == (answer if fine else "refusal"), reply
-    assert (trunk.steps if split else handler.pending_sessions) == int(fine)
+    if name == "local_loss":
+        handler.finish_round(["c0"])
+    progress = {"splitfed_v2": lambda: trunk.steps, "ushaped": lambda: handler.pending_sessions,
+                "local_loss": lambda: handler.trained["c0"]}[name]
+    assert progress() == int(fine)
     if not fine:
         assert reply.refusal.reason != pb.Refusal.INTERNAL, reply.refusal.detail
