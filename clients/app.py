@@ -434,11 +434,11 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     loader = rnd.loader()
     memory = step.memory_bytes(spec.strategy.batch_size)
     examples = len(loader.dataset)  # type: ignore[arg-type]
-    feedback = step.feedback_bytes(examples, spec.compression)  # rows per example, all round
-    plan.check_memory(memory + feedback, what=f"{rnd.protocol.name} at cut {rnd.cut}, batch "
+    kept = step.kept_bytes(examples, spec.compression)  # references, batches kept: all round
+    plan.check_memory(memory + kept, what=f"{rnd.protocol.name} at cut {rnd.cut}, batch "
                       f"{spec.strategy.batch_size}"
                       + (" with checkpointing" if rnd.checkpoint else "")
-                      + (" and error feedback" if feedback else ""),
+                      + (" and the rows it keeps" if kept else ""),
                       examples=examples)
     privacy = make_client_privacy(spec.privacy, loader)
     privacy.check_source(step.bottom)

@@ -46,6 +46,7 @@ from server.workers import TrunkRecipe, TrunkWorkers, server_credentials
 from splitlearn.aux_head import without_aux
 from splitlearn.calibration import cut_costs, measure_host_flops_per_s
 from splitlearn.config import (
+    CompressionConfig,
     PlannerConfig,
     RunSpec,
     run_spec,
@@ -58,7 +59,7 @@ from splitlearn.evaluation import evaluate_model
 from splitlearn.models import SplittableModel
 from splitlearn.models.factory import source_module
 from splitlearn.planning.clock import VirtualClock, round_time
-from splitlearn.planning.cost import with_compression
+from splitlearn.planning.cost import CutCost, with_compression, with_kept_samples
 from splitlearn.planning.devices import DeviceProfile, build_fleet
 from splitlearn.privacy import with_release_at_cut
 from splitlearn.split import load_bottom_state
@@ -166,19 +167,22 @@ def make_planning(cfg: DictConfig, trunk: Trunk, *, host_flops_per_s: float
     allowed = set(settings.cuts or trunk.model.valid_cuts)
     leak = {int(k): float(v) for k, v in settings.leak.items()}
     step = protocol_named(cfg.strategy.name).client
-    # The step says how it talks to the trunk: round trips per batch, and whether a
-    # gradient comes back (local loss only sends).
-    # ... and how the data plane encodes the tensors at the cut.
-    encoding = cfg.dataplane.compression
+    # The step says how it talks to the trunk: round trips per batch, whether a gradient
+    # comes back (local loss only sends) and what it keeps of what it sent ...
+    encoding: CompressionConfig = to_object(cfg.dataplane.compression)
+    kept = step.kept_samples_cap(to_object(cfg.strategy), encoding)
     tail_cut = tail_cut_of(cfg.strategy, trunk.model)
-    costs = [with_compression(replace(c, exchanges_per_batch=step.exchanges_per_batch,
-                                      returns_gradient=step.receives_gradient),
-                              uplink=encoding.uplink, downlink=encoding.downlink,
-                              topk_fraction=encoding.topk_fraction,
-                              error_feedback=encoding.error_feedback,
-                              feature_entries=0 if tail_cut is None else math.prod(
-                                  trunk.model.cut_shape(tail_cut)),
-                              in_flight_samples=step.in_flight_batches * cfg.strategy.batch_size)
+    features = 0 if tail_cut is None else math.prod(trunk.model.cut_shape(tail_cut))
+
+    def as_the_run_sends(cost: CutCost) -> CutCost:
+        """... and with the tensors at the cut as the data plane encodes them."""
+        cost = with_kept_samples(replace(cost, exchanges_per_batch=step.exchanges_per_batch,
+                                         returns_gradient=step.receives_gradient), kept)
+        return with_compression(cost, uplink=encoding.uplink, downlink=encoding.downlink,
+                                topk_fraction=encoding.topk_fraction,
+                                error_feedback=encoding.error_feedback, feature_entries=features)
+
+    costs = [as_the_run_sends(c)
              for c in cut_costs(trunk.model, batch_size=cfg.strategy.batch_size, leak=leak,
                                 tail_cut=tail_cut, frees_output=step.frees_sent_output)
              if c.cut in allowed]

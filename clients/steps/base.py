@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from clients.checkpointing import run_stages
 from clients.memory import MemoryMeter
 from splitlearn.calibration import client_train_memory_bytes
-from splitlearn.config import CompressionConfig, RunSpec
+from splitlearn.config import CompressionConfig, RunSpec, StrategyConfig
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.models import SplittableModel
 from splitlearn.models.lean import mask_cut_relu
@@ -61,9 +61,6 @@ class ClientStep:
     sends_activations: ClassVar[bool] = True
     #: Whether the step talks to the trunk over a data-plane channel.
     needs_channel: ClassVar[bool] = True
-    #: Training batches sent before the trunk's answer is awaited (local loss: its window).
-    #: With uplink error feedback each is kept until acknowledged, to be sent again if stale.
-    in_flight_batches: ClassVar[int] = 0
     #: Training batches per round whose memory is measured (the first ones): every
     #: batch holds as much, and the meter's hooks cost time on each batch it watches.
     measured_batches: ClassVar[int] = 3
@@ -126,18 +123,26 @@ class ClientStep:
             frees_output=self.frees_sent_output,
         )
 
-    def feedback_bytes(self, examples: int, compression: CompressionConfig) -> int:
-        """Bytes of the float32 rows that error feedback keeps for ``examples`` examples.
+    @classmethod
+    def kept_samples_cap(cls, options: StrategyConfig, compression: CompressionConfig) -> float:
+        """Most samples of a round whose activations the step keeps past their batch.
 
-        With a lossy uplink, a reference per example at the cut, and the rows of the
-        batches in flight (:attr:`in_flight_batches`; at most a round's); none without
-        error feedback.
+        0 here: a batch's activations go with it. (Local loss keeps what it sent until
+        the trunk's ack or the Flower reply; ``math.inf``: all of a round's.)
         """
-        if not compression.uplink_feedback:
-            return 0
-        in_flight = min(self.in_flight_batches * self.spec.strategy.batch_size,
-                        examples * self.spec.strategy.local_epochs)
-        return 4 * (examples + in_flight) * torch.Size(self.model.cut_shape(self.cut)).numel()
+        return 0
+
+    def kept_bytes(self, examples: int, compression: CompressionConfig) -> int:
+        """Bytes the step keeps besides one batch's training memory, for ``examples`` examples.
+
+        With uplink error feedback a float32 reference per example at the cut, and the
+        samples of :meth:`kept_samples_cap` (at most a round's): a float32 row and an int64
+        label each.
+        """
+        row = 4 * torch.Size(self.model.cut_shape(self.cut)).numel()
+        kept = min(self.kept_samples_cap(self.spec.strategy, compression),
+                   examples * self.spec.strategy.local_epochs)
+        return row * examples * compression.uplink_feedback + (row + 8) * int(kept)
 
     def train_batch(
         self, inputs: Tensor, labels: Tensor, channel: TrunkChannel | None,

@@ -10,6 +10,7 @@ keys) and are averaged with them; it is never part of the evaluated model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -24,7 +25,7 @@ from splitlearn.aux_head import (
     without_aux,
 )
 from splitlearn.calibration import client_train_memory_bytes
-from splitlearn.config import RunSpec
+from splitlearn.config import CompressionConfig, RunSpec, StrategyConfig
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.dataplane.channel import DEFAULT_WINDOW
 from splitlearn.models import SplittableModel
@@ -39,7 +40,6 @@ class LocalLossStep(ClientStep):
 
     exchanges_per_batch = 0
     receives_gradient = False
-    in_flight_batches = DEFAULT_WINDOW
 
     def __init__(
         self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
@@ -66,6 +66,17 @@ class LocalLossStep(ClientStep):
             hidden=spec.strategy.aux_hidden, seed=spec.seed,  # type: ignore[attr-defined]
         ).state_dict() for cut in cuts}
         return stages | keyed_heads(heads)
+
+    @classmethod
+    def kept_samples_cap(cls, options: StrategyConfig, compression: CompressionConfig) -> float:
+        """Every batch in bulk mode, until the reply; the window's, streaming with feedback.
+
+        With uplink error feedback each batch in flight is kept until its ack, to be sent
+        again should the trunk refuse it as stale.
+        """
+        if options.bulk:  # type: ignore[attr-defined]
+            return math.inf
+        return DEFAULT_WINDOW * options.batch_size if compression.uplink_feedback else 0
 
     def trained(self) -> nn.Module:
         """Bottom and auxiliary head."""

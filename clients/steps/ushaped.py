@@ -61,13 +61,13 @@ class UShapedStep(ClientStep):
         """Head and tail stages (keys ``"<stage index>.…"``)."""
         return ushaped_state(self.model, self.cut, self.tail_cut)
 
-    def feedback_bytes(self, examples: int, compression: CompressionConfig) -> int:
+    def kept_bytes(self, examples: int, compression: CompressionConfig) -> int:
         """Return the base step's rows, and with a lossy downlink a row of features per example.
 
         (The references of the trunk's features.)
         """
         features = 4 * examples * torch.Size(self.model.cut_shape(self.tail_cut)).numel()
-        return super().feedback_bytes(examples, compression) + (
+        return super().kept_bytes(examples, compression) + (
             features if compression.downlink_feedback else 0)
 
     def memory_bytes(self, batch_size: int) -> int:

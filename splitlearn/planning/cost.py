@@ -69,10 +69,12 @@ class CutCost:
     reference_bytes_per_example : int
         Memory the client holds per example of its data besides the batch's: uplink
         error feedback's float32 reference (:func:`with_compression`); 0 without.
-    in_flight_samples : int
-        Samples whose activations the client keeps until the trunk acknowledges them,
-        rows as large as a reference (local loss with uplink error feedback: its window
-        of batches, to send again if refused as stale); at most the samples of a round.
+    kept_samples : float
+        Most samples of a round whose activations (and labels) the client keeps past
+        their batch (:meth:`clients.steps.base.ClientStep.kept_samples_cap`; local loss:
+        until the trunk's ack, or ``math.inf``, all of them, for the Flower reply).
+    kept_bytes_per_sample : int
+        What one kept sample takes: a float32 row at the cut and an int64 label.
     """
 
     cut: int
@@ -88,12 +90,12 @@ class CutCost:
     returns_gradient: bool = True
     gradient_bytes_per_sample: int | None = None
     reference_bytes_per_example: int = 0
-    in_flight_samples: int = 0
+    kept_samples: float = 0
+    kept_bytes_per_sample: int = 0
 
 
 def with_compression(cost: CutCost, *, uplink: str, downlink: str, topk_fraction: float = 0.1,
-                     error_feedback: bool = False, feature_entries: int = 0,
-                     in_flight_samples: int = 0) -> CutCost:
+                     error_feedback: bool = False, feature_entries: int = 0) -> CutCost:
     """Return ``cost`` with the cut's tensors as the data plane encodes them.
 
     ``smashed_bytes_per_sample`` (float32 values) becomes the ``uplink``
@@ -102,11 +104,9 @@ def with_compression(cost: CutCost, *, uplink: str, downlink: str, topk_fraction
     an upper bound when activations have many zeros). With ``error_feedback`` and a
     lossy uplink the client also keeps a float32 row per example; a U-shaped client
     (``feature_entries``: values per example of the trunk's features) with a lossy
-    downlink also a row of features, and a client that sends without waiting
-    (``in_flight_samples``: its window's samples) a row per sample in flight.
+    downlink also a row of features.
     """
     entries = cost.smashed_bytes_per_sample // 4
-    uplink_feedback = error_feedback and uplink != "none"
     return replace(
         cost,
         smashed_bytes_per_sample=encoded_row_bytes(entries, uplink, topk_fraction=topk_fraction),
@@ -114,8 +114,16 @@ def with_compression(cost: CutCost, *, uplink: str, downlink: str, topk_fraction
                                                     topk_fraction=topk_fraction),
         reference_bytes_per_example=4 * error_feedback * (
             entries * (uplink != "none") + feature_entries * (downlink != "none")),
-        in_flight_samples=in_flight_samples if uplink_feedback else 0,
     )
+
+
+def with_kept_samples(cost: CutCost, samples: float) -> CutCost:
+    """Return ``cost`` with ``samples`` kept past their batch (:attr:`CutCost.kept_samples`).
+
+    Before :func:`with_compression`: a kept sample is its float32 row and int64 label.
+    """
+    return replace(cost, kept_samples=samples,
+                   kept_bytes_per_sample=cost.smashed_bytes_per_sample + 8)
 
 
 @dataclass(frozen=True)
@@ -274,8 +282,8 @@ class RoundWork:
 def needed_memory(client: ClientState, cost: CutCost, *, checkpoint: bool = False) -> int:
     """Return the client's training memory at the cut: a batch's, and the rows it keeps."""
     batch = cost.checkpointed_memory_bytes if checkpoint else cost.memory_bytes
-    kept = client.examples + min(cost.in_flight_samples, client.samples)
-    return batch + cost.reference_bytes_per_example * kept
+    kept = int(min(cost.kept_samples, client.samples)) * cost.kept_bytes_per_sample
+    return batch + cost.reference_bytes_per_example * client.examples + kept
 
 
 def fits(client: ClientState, cost: CutCost, *, checkpoint: bool = False) -> bool:

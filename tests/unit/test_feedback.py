@@ -371,28 +371,39 @@ def test_a_device_without_ids_is_stopped_before_sending(trunk_server_factory):
 
 
 def test_a_device_counts_its_references_in_its_training_memory():
-    from clients.steps.local_loss import LocalLossStep
     from clients.steps.split import SplitStep
     from clients.steps.ushaped import UShapedStep
-    from strategies.local_loss import LocalLossOptions
     from tests.helpers import plain_spec
 
     step = SplitStep(digits_like_model(), plain_spec(0.1), cut=CUT)
-    at_cut = 144 * 32 * 8 * 8 * 4  # the SmallCNN's rows at cut 1
-    assert step.feedback_bytes(144, TOPK) == at_cut
+    row = 32 * 8 * 8 * 4  # the SmallCNN's float32 row at cut 1
+    assert step.kept_bytes(144, TOPK) == 144 * row
     downlink_only = CompressionConfig(downlink="topk", error_feedback=True)
-    assert step.feedback_bytes(144, downlink_only) == 0  # the residuals are the trunk's
+    assert step.kept_bytes(144, downlink_only) == 0  # the residuals are the trunk's
     ushaped = UShapedStep(digits_like_model(), RunSpec(strategy=UShapedOptions()), cut=CUT)
     features = 144 * 128 * 4  # the hidden layer's rows, its default tail cut
-    assert ushaped.feedback_bytes(144, TOPK) == at_cut + features
-    assert ushaped.feedback_bytes(144, downlink_only) == features
-    # Local loss also keeps the batches of its window in flight (32 of 32 here) until acked.
-    local = LocalLossStep(digits_like_model(), RunSpec(strategy=LocalLossOptions(
-        batch_size=32, local_epochs=2)), cut=CUT)
+    assert ushaped.kept_bytes(144, TOPK) == 144 * row + features
+    assert ushaped.kept_bytes(144, downlink_only) == features
+
+
+@pytest.mark.parametrize(("bulk", "compression", "examples", "kept"), [
+    (False, TOPK, 144, 2 * 144),  # its window (32 batches of 32) holds all of a round
+    (False, TOPK, 5000, 32 * 32),
+    (False, CompressionConfig(uplink="topk"), 5000, 0),  # no feedback: nothing sent again
+    (True, CompressionConfig(), 144, 2 * 144),  # bulk: the whole round, for the reply
+])
+def test_local_loss_counts_the_batches_it_keeps_after_sending_them(bulk, compression,
+                                                                    examples, kept):
+    """Sent batches kept until acknowledged (to be sent again if stale) or, in bulk mode,
+    until the Flower reply carries them: a float32 row and an int64 label each."""
+    from clients.steps.local_loss import LocalLossStep
+    from strategies.local_loss import LocalLossOptions
+
+    options = LocalLossOptions(batch_size=32, local_epochs=2, bulk=bulk)
+    local = LocalLossStep(digits_like_model(), RunSpec(strategy=options), cut=CUT)
     row = 32 * 8 * 8 * 4
-    assert local.feedback_bytes(144, TOPK) == (144 + 2 * 144) * row  # all of a round's
-    assert local.feedback_bytes(5000, TOPK) == (5000 + 32 * 32) * row
-    assert local.feedback_bytes(144, downlink_only) == 0
+    references = examples * row * compression.uplink_feedback
+    assert local.kept_bytes(examples, compression) == references + kept * (row + 8)
 
 
 # --- U-shaped ------------------------------------------------------------------------

@@ -518,27 +518,19 @@ def test_error_feedbacks_references_count_in_a_cuts_memory() -> None:
     assert solve([replace(device, examples=0)], costs, trunk_flops_per_s=1e9).cut_of("phone") == 1
 
 
-def test_a_window_of_batches_kept_for_resending_counts_in_a_cuts_memory() -> None:
-    """Local loss with uplink error feedback keeps each batch in flight until its ack: up to
-    its window's samples, no more than a round's, and nothing without uplink feedback."""
-    from splitlearn.planning.cost import needed_memory, with_compression
+def test_samples_kept_past_their_batch_count_in_a_cuts_memory() -> None:
+    """Local loss keeps sent batches (a float32 row and an int64 label each): its window
+    with uplink error feedback, at most a round's samples; all of them in bulk mode."""
+    import math
+
+    from splitlearn.planning.cost import needed_memory, with_compression, with_kept_samples
 
     shallow = cut_cost(1, client_flops=1.0, server_flops=9.0, smashed=4 * 1000, memory=100)
-    windowed = with_compression(shallow, uplink="topk", downlink="none", error_feedback=True,
-                                in_flight_samples=64)
     device = replace(client_state("phone"), examples=50, samples=100)
-    assert needed_memory(device, windowed) == 100 + 4000 * (50 + 64)
-    assert needed_memory(replace(device, samples=20), windowed) == 100 + 4000 * (50 + 20)
-    for up, feedback in (("none", True), ("topk", False)):
-        plain = with_compression(shallow, uplink=up, downlink="topk", error_feedback=feedback,
-                                 in_flight_samples=64)
-        assert plain.in_flight_samples == 0
-
-
-def test_monitor_learns_how_many_examples_a_device_holds() -> None:
-    monitor = ClientMonitor()
-    monitor.observe_memory("declined", 5e8, examples=144)
-    monitor.observe("trained", **ROUND, examples=90)
-    assert monitor.state("declined", PRIOR).examples == 144
-    assert monitor.state("trained", PRIOR).examples == 90
-    assert monitor.state("unknown", PRIOR).examples == PRIOR.examples == 0
+    windowed = with_compression(with_kept_samples(shallow, 64), uplink="topk", downlink="none",
+                                error_feedback=True)
+    assert needed_memory(device, windowed) == 100 + 4000 * 50 + 4008 * 64
+    assert needed_memory(replace(device, samples=20), windowed) == 100 + 4000 * 50 + 4008 * 20
+    bulk = with_kept_samples(shallow, math.inf)
+    assert needed_memory(device, bulk) == 100 + 4008 * 100
+    assert needed_memory(device, shallow) == 100  # nothing kept
