@@ -4,10 +4,11 @@ invariants, device and trunk agreeing bit for bit, and every refusal of a bad fr
 from __future__ import annotations
 
 import time
+from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -527,9 +528,9 @@ def trained(server, client: str = "c0") -> int:
     return server.handler.trained[client]
 
 
-def assert_same_references(server, channel, client: str = "c0") -> None:
+def assert_same_references(book: FeedbackBook, channel, client: str = "c0") -> None:
     every = torch.arange(10)
-    memory = server.handler.feedback[client].uplink
+    memory = book[client].uplink
     assert memory.version == channel.feedback.version
     assert torch.equal(memory.references.rows(every, (32, 8, 8)),
                        channel.feedback.references.rows(every, (32, 8, 8)))
@@ -557,7 +558,7 @@ def test_local_loss_device_and_trunk_hold_the_same_references_across_rounds(
         kept = channel.feedback.state()
         channel.close()
     assert channel.feedback.version == 4  # no reset between the rounds
-    assert_same_references(server, channel)
+    assert_same_references(server.handler.feedback, channel)
     assert len(server.handler.feedback["c0"].uplink.references) == 8
     assert trained(server) == 4
 
@@ -580,7 +581,7 @@ def test_a_local_loss_device_behind_the_trunk_sends_its_whole_window_again_from_
     stream(channel, [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 8, 9]], seed=5)
     assert sent.versions == [1, 2, 3, 0, 1, 2]  # all three refused, then sent from zero
     assert channel.feedback.version == 3 and channel.in_flight == 0
-    assert_same_references(server, channel)
+    assert_same_references(server.handler.feedback, channel)
     assert trained(server) == 6  # 3, then the 3 sent again; none of the stale ones
 
 
@@ -605,6 +606,72 @@ def test_a_local_loss_client_past_its_share_is_told_in_the_ack_and_starts_over(
     assert {"a", "b"} <= set(server.handler.feedback._clients)
     assert server.handler.feedback.nbytes <= 12.5 * ROW
     assert trained(server, "x") == 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(
+    st.one_of(st.none(), st.integers(0, 5)),  # the state the device starts from (see below)
+    st.booleans(),  # whether the trunk dropped the client's memory before the round
+    st.integers(1, 4),  # the window
+    st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True),
+             min_size=1, max_size=5)), min_size=1, max_size=4))
+# Back to version 1 with the trunk at 3, and three frames in flight: the third carries 3.
+@example([(None, False, 1, [[0]]), (None, False, 1, [[1], [2]]),
+          (0, False, 3, [[0, 1], [2], [1, 2]])])
+def test_local_loss_frames_in_flight_never_leave_the_two_sides_apart(rounds):
+    """Rounds of frames in flight, each started from any state the device kept before (None:
+    the latest; a number: an older one, as after a round whose state was lost), with the trunk
+    sometimes having dropped the client: every frame the trunk queues holds the activations
+    the device agreed on for it, after every round both sides hold the same references at
+    the same version, and every batch sent was trained exactly once."""
+    from splitlearn.dataplane.channel import InProcessTransport, TrunkChannel
+
+    protocol = protocol_named("local_loss")
+    handler = protocol.trunk(Trunk(digits_like_model(), lr=0.1), protocol.options(), limits(TOPK))
+    tokens = TokenRegistry()
+    endpoint = TrunkEndpoint({protocol.name: handler}, tokens, limits=limits(TOPK))
+    # Per frame in the order sent (the in-process trunk answers each as it is sent): what
+    # the device agreed on, and what the trunk queued (None: refused).
+    frames: list[list[torch.Tensor | None]] = []
+    encode, submit = ReferenceFeedback.encode, handler._submit
+
+    def encoding(self, ids, activations, round_trip):
+        frame, agreed = encode(self, ids, activations, round_trip)
+        frames.append([agreed, None])
+        return frame, agreed
+
+    def submitting(batch):
+        frames[-1][1] = batch.activations
+        return submit(batch)
+
+    handler._submit = submitting
+    with mock.patch.object(ReferenceFeedback, "encode", encoding):
+        sent = run_rounds(handler, endpoint, tokens, rounds, InProcessTransport, TrunkChannel)
+    assert handler.trained["c0"] == sent and handler.errors == 0
+    for agreed, queued in frames:
+        assert queued is None or torch.equal(queued, agreed)
+
+
+def run_rounds(handler, endpoint, tokens, rounds, transport, channel_type) -> int:
+    """The rounds of the test above; return the batches the device sent."""
+    kept: list[dict] = []  # the device's state after each round
+    sent = 0
+    for server_round, (start, dropped, window, batches) in enumerate(rounds, start=1):
+        token = tokens.issue(client="c0", protocol="local_loss", cut=CUT,
+                             server_round=server_round, ttl_s=60)
+        channel = channel_type(transport(endpoint, token), compression=TOPK, window=window)
+        if kept:
+            state = kept[-1] if start is None else kept[start % len(kept)]
+            channel.feedback = ReferenceFeedback.from_state(state, max_bytes=MAX)
+        if dropped:
+            handler.feedback.release("c0")
+        stream(channel, batches, seed=server_round)
+        sent += len(batches)
+        handler.finish_round(["c0"])
+        assert_same_references(handler.feedback, channel)
+        kept.append(channel.feedback.state())
+        channel.close()
+    return sent
 
 
 def test_a_local_loss_refusal_other_than_stale_still_fails_the_round(trunk_server_factory):
