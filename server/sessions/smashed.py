@@ -134,14 +134,15 @@ class SmashedSession:
                           max_bytes=self.limits.max_frame_bytes)
         if ids is None:
             return pb.Reply(ack=pb.Ack(queued=self._submit(batch)))
-        return self._submit_with_feedback(batch, ids, int(part.feedback_version))
+        return self._submit_with_feedback(batch, ids, part)
 
-    def _submit_with_feedback(self, batch: _Batch, ids: Tensor, version: int) -> AnyReply:
+    def _submit_with_feedback(self, batch: _Batch, ids: Tensor, part: Frame | pb.Smashed
+                              ) -> AnyReply:
         """Queue reference + the sent difference; the references move once it is queued."""
         assert self.feedback is not None
         # Checked and made room for first: a refusal leaves the references as they were.
         memory = prepare_feedback(self.feedback, batch.client, ids,
-                                  tuple(batch.activations.shape[1:]), version=version)
+                                  tuple(batch.activations.shape[1:]), part)
         assert memory.uplink is not None
         acts = memory.uplink.reconstruct(ids, batch.activations)
         check_finite(acts, name="activations", max_abs=self.limits.max_abs_value)

@@ -230,11 +230,12 @@ def example_ids(part: pb.Forward | pb.Smashed, batch: int, *, feedback: Feedback
 
 
 def prepare_feedback(book: FeedbackBook, client: str, ids: Tensor, row_shape: tuple[int, ...],
-                     *, version: int, feature_shape: tuple[int, ...] | None = None
-                     ) -> ClientFeedback:
-    """:meth:`FeedbackBook.prepare`, its refusals as the data plane's."""
+                     part: pb.Forward | pb.Smashed, *,
+                     feature_shape: tuple[int, ...] | None = None) -> ClientFeedback:
+    """:meth:`FeedbackBook.prepare` at the frame's version and lineage (data-plane refusals)."""
     try:
-        return book.prepare(client, ids, row_shape, version=version, feature_shape=feature_shape)
+        return book.prepare(client, ids, row_shape, version=int(part.feedback_version),
+                            lineage=int(part.feedback_lineage), feature_shape=feature_shape)
     except StaleFeedback as err:
         raise FrameError(Reason.STALE_FEEDBACK, str(err)) from None
     except FeedbackFull as err:
@@ -285,8 +286,7 @@ class SplitSession:
         ids = example_ids(part, len(acts), feedback=self.feedback,
                           max_bytes=self.limits.max_frame_bytes)
         if ids is not None:
-            return self._train_with_feedback(session, trunk, acts, labels, ids,
-                                             int(part.feedback_version))
+            return self._train_with_feedback(session, trunk, acts, labels, ids, part)
         result = self.train(session, trunk, acts, labels)
         return self._gradient(result, self._encode(result.grad))
 
@@ -295,13 +295,12 @@ class SplitSession:
         return train_on_batch(trunk, session.grant.cut, acts, labels)
 
     def _train_with_feedback(self, session: Session, trunk: Trunk, acts: Tensor, labels: Tensor,
-                             ids: Tensor, version: int) -> AnyReply:
+                             ids: Tensor, part: pb.Forward) -> AnyReply:
         """Train on reference + the sent difference; feed back what the gradient's frame drops."""
         assert self.feedback is not None
         client = session.grant.client
         # Checked and made room for first: a refusal leaves trunk and memory as they were.
-        memory = prepare_feedback(self.feedback, client, ids, tuple(acts.shape[1:]),
-                                  version=version)
+        memory = prepare_feedback(self.feedback, client, ids, tuple(acts.shape[1:]), part)
         if memory.uplink is not None:
             acts = memory.uplink.reconstruct(ids, acts)
             check_finite(acts, name="activations", max_abs=self.limits.max_abs_value)

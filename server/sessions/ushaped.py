@@ -155,18 +155,16 @@ class UShapedSession:
         ids = example_ids(part, len(acts), feedback=self.feedback,
                           max_bytes=self.limits.max_frame_bytes)
         if ids is not None:
-            return self._forward_with_feedback(session, cut, acts, ids,
-                                               int(part.feedback_version))
+            return self._forward_with_feedback(session, cut, acts, ids, part)
         features, replaced = self._forward(session, cut, acts)
         return reply("features", features=self._encode(features), replaced_pending=replaced)
 
     def _forward_with_feedback(self, session: Session, cut: int, acts: Tensor, ids: Tensor,
-                               version: int) -> AnyReply:
+                               part: pb.Forward) -> AnyReply:
         """Forward reference + the sent difference; send the features' difference from theirs."""
         assert self.feedback is not None
         client = session.grant.client
-        memory = prepare_feedback(self.feedback, client, ids, tuple(acts.shape[1:]),
-                                  version=version,
+        memory = prepare_feedback(self.feedback, client, ids, tuple(acts.shape[1:]), part,
                                   feature_shape=tuple(self.trunk.cut_shape(self.tail_cut)))
         if memory.uplink is not None:
             acts = memory.uplink.reconstruct(ids, acts)

@@ -419,6 +419,12 @@ class TrunkChannel:
         references = self.feedback or self.feature_feedback
         return 0 if references is None else references.version
 
+    @property
+    def feedback_lineage(self) -> int:
+        """The start from zero the shared references come from (0 before the first)."""
+        references = self.feedback or self.feature_feedback
+        return 0 if references is None else references.lineage
+
     def _forward_difference(self, activations: torch.Tensor, labels: torch.Tensor,
                             ids: torch.Tensor) -> Frame | pb.Reply:
         feedback = self.feedback
@@ -430,7 +436,7 @@ class TrunkChannel:
         frame, agreed = feedback.encode(ids, activations.detach().float(), self._round_trip)
         reply = self._call("gradient", "forward", activations=frame,
                            labels=encode_tensor(labels), example_ids=encode_tensor(ids),
-                           feedback_version=feedback.version)
+                           feedback_version=feedback.version, feedback_lineage=feedback.lineage)
         feedback.commit(ids, agreed)  # the trunk took the batch: both references moved
         if reply.gradient.feedback_dropped:  # then dropped its side: start over, in step
             self._restart_references()
@@ -481,12 +487,15 @@ class TrunkChannel:
             _admit(self.feedback.references, ids, shape)
             frame, agreed = self.feedback.encode(ids, activations.detach().float(),
                                                  self._round_trip)
+        if self._features_feedback and self.feature_feedback is None:  # its lineage goes now
+            self.feature_feedback = ReferenceFeedback(max_bytes=self._feedback_max_bytes)
         reply = self._call("features", "forward", activations=frame,
-                           example_ids=encode_tensor(ids), feedback_version=self.feedback_version)
+                           example_ids=encode_tensor(ids), feedback_version=self.feedback_version,
+                           feedback_lineage=self.feedback_lineage)
         features = self._tensor(reply.features.features, "features")
         if self._features_feedback:
-            references = self.feature_feedback = (
-                self.feature_feedback or ReferenceFeedback(max_bytes=self._feedback_max_bytes))
+            references = self.feature_feedback
+            assert references is not None
             _admit(references.references, ids, tuple(features.shape[1:]))
             features = references.reconstruct(ids, features.float())
             references.commit(ids, features)
@@ -540,7 +549,8 @@ class TrunkChannel:
         _admit(feedback.references, batch.ids, shape)
         frame, agreed = feedback.encode(batch.ids, batch.activations, self._round_trip)
         self._send("smashed", activations=frame, labels=encode_tensor(batch.labels),
-                   example_ids=encode_tensor(batch.ids), feedback_version=feedback.version)
+                   example_ids=encode_tensor(batch.ids), feedback_version=feedback.version,
+                   feedback_lineage=feedback.lineage)
         feedback.commit(batch.ids, agreed)  # the trunk's move as it queues the batch
         self._unacked.append(replace(batch, generation=self._generation))
 

@@ -23,7 +23,8 @@ Local-loss sessions (:mod:`server.sessions.smashed`) use the uplink rule alone, 
 references moving as a frame is sent and as it is queued, ahead of its ack.
 
 Both sides decode the same bytes with the same code, so their references agree bit
-for bit; a version (the batches the references absorbed since they were zero) tells
+for bit; a version (the batches the references absorbed since they were zero) and a
+lineage (a random number the device draws each time it starts them from zero) tell
 when they do not (a round the device did not finish), and the device then starts both
 over from zero. The device keeps its references across rounds in its Flower context;
 the trunk keeps every client's in a :class:`FeedbackBook`, within one memory budget.
@@ -31,6 +32,7 @@ the trunk keeps every client's in a :class:`FeedbackBook`, within one memory bud
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -151,12 +153,16 @@ class ReferenceFeedback:
     ----------
     max_bytes : int
         Bound on the references' memory.
+    lineage : int, optional
+        Names this start from zero (the trunk's: the one its device sent); a device's
+        draws a random one, so that two starts never pass for each other.
     """
 
-    def __init__(self, *, max_bytes: int) -> None:
+    def __init__(self, *, max_bytes: int, lineage: int | None = None) -> None:
         self.references = ExampleRows(max_bytes=max_bytes)
         #: Batches the references absorbed since they were zero (0: none).
         self.version = 0
+        self.lineage = secrets.randbits(63) if lineage is None else lineage
 
     def encode(self, ids: Tensor, activations: Tensor, round_trip: RoundTrip
                ) -> tuple[object, Tensor]:
@@ -180,18 +186,23 @@ class ReferenceFeedback:
         self.version += 1
 
     def state(self) -> dict[str, Tensor]:
-        """Return the references and their version (for the device's Flower context)."""
-        return {**self.references.state(), "version": torch.tensor(self.version)}
+        """Return the references, their version and lineage (for the device's Flower context)."""
+        return {**self.references.state(), "version": torch.tensor(self.version),
+                "lineage": torch.tensor(self.lineage)}
+
+    def load(self, state: Mapping[str, Tensor]) -> None:
+        """Take the references, version and lineage of :meth:`state` (or :class:`FeedbackFull`)."""
+        self.references.load(state)
+        self.version, self.lineage = int(state["version"]), int(state["lineage"])
 
     @classmethod
     def from_state(cls, state: Mapping[str, Tensor], *, max_bytes: int) -> ReferenceFeedback:
         """Rebuild what :meth:`state` returned; from zero if it no longer fits ``max_bytes``."""
         feedback = cls(max_bytes=max_bytes)
         try:
-            feedback.references.load(state)
-        except FeedbackFull:  # a smaller bound than when they were kept: start over
+            feedback.load(state)
+        except (FeedbackFull, KeyError):  # a smaller bound, or kept without a lineage: start over
             return cls(max_bytes=max_bytes)
-        feedback.version = int(state["version"])
         return feedback
 
 
@@ -234,11 +245,11 @@ class ClientFeedback:
     """
 
     def __init__(self, *, uplink: bool, downlink: bool, max_bytes: int,
-                 features: bool = False) -> None:
+                 features: bool = False, lineage: int = 0) -> None:
         share = max_bytes // max(1, uplink + downlink + features)
-        self.uplink = ReferenceFeedback(max_bytes=share) if uplink else None
+        self.uplink = ReferenceFeedback(max_bytes=share, lineage=lineage) if uplink else None
         self.downlink = ResidualFeedback(max_bytes=share) if downlink else None
-        self.features = ReferenceFeedback(max_bytes=share) if features else None
+        self.features = ReferenceFeedback(max_bytes=share, lineage=lineage) if features else None
 
     @property
     def nbytes(self) -> int:
@@ -250,6 +261,12 @@ class ClientFeedback:
         """Batches its references absorbed since they were zero (None: it keeps none)."""
         references = self.uplink or self.features
         return None if references is None else references.version
+
+    @property
+    def lineage(self) -> int | None:
+        """The start from zero its references come from (None: it keeps none)."""
+        references = self.uplink or self.features
+        return None if references is None else references.lineage
 
     def holds(self, row_shape: tuple[int, ...], feature_shape: tuple[int, ...] | None = None
               ) -> bool:
@@ -281,8 +298,7 @@ class ClientFeedback:
         memory = cls(uplink=uplink, downlink=downlink, max_bytes=max_bytes, features=features)
         for references, name in ((memory.uplink, "uplink"), (memory.features, "features")):
             if references is not None:
-                references.references.load(state[name])
-                references.version = int(state[name]["version"])
+                references.load(state[name])
         if memory.downlink is not None:
             memory.downlink.residuals.load(state["downlink"])
         return memory
@@ -345,22 +361,24 @@ class FeedbackBook:
         return self._bytes
 
     def prepare(self, client: str, ids: Tensor, row_shape: tuple[int, ...], *, version: int,
-                feature_shape: tuple[int, ...] | None = None) -> ClientFeedback:
+                lineage: int = 0, feature_shape: tuple[int, ...] | None = None
+                ) -> ClientFeedback:
         """Return ``client``'s feedback for a batch, with room for its ``ids``.
 
-        Version 0 (with references) starts the client from zero, as does a batch at
-        another cut than the kept rows'; the fresh memory replaces the old one only at
-        :meth:`keep`, so a refused batch changes nothing, except a stale one: that drops
-        the client's memory. A device behind the trunk (it lost a round's references)
-        may have more frames in flight (local loss sends without waiting), and one of
-        them could carry the trunk's version by chance; dropped, none can until the
-        device starts over from version 0. ``feature_shape``: a row of the features a
+        Version 0 (with references) starts the client from zero, in ``lineage``, as
+        does a batch at another cut than the kept rows'; any other version must come with
+        the version and lineage the references hold. The fresh memory replaces the old
+        one only at :meth:`keep`, so a refused batch changes nothing, except a stale one:
+        that drops the client's memory. A device behind the trunk (it lost a round's
+        references) may have more frames in flight (local loss sends without waiting),
+        and one of them could carry the trunk's version by chance; dropped, none can until
+        the device starts over from version 0. ``feature_shape``: a row of the features a
         U-shaped trunk sends.
 
         Raises
         ------
         StaleFeedback
-            If the batch's version is not the references' (with references only).
+            If the batch's version or lineage is not the references' (with references).
         FeedbackFull
             If this client's rows alone would exceed the budget.
         """
@@ -370,14 +388,16 @@ class FeedbackBook:
         if (memory is None or (references and version == 0)
                 or not memory.holds(row_shape, feature_shape)):
             memory = ClientFeedback(uplink=self.uplink, downlink=self.downlink,
-                                    max_bytes=self.max_bytes, features=self.features)
-        if memory.version is not None and memory.version != version:
+                                    max_bytes=self.max_bytes, features=self.features,
+                                    lineage=lineage)
+        if memory.version is not None and (memory.version, memory.lineage) != (version, lineage):
             with self._lock:
                 if self._clients.get(client) is memory:
                     self._drop(client)
             raise StaleFeedback(f"this batch was encoded against version {version} of client "
-                                f"{client}'s references; the trunk holds version "
-                                f"{memory.version}: send it again from version 0")
+                                f"{client}'s references (lineage {lineage}); the trunk holds "
+                                f"version {memory.version} (lineage {memory.lineage}): send it "
+                                "again from version 0")
         memory.admit(ids, row_shape, feature_shape)
         return memory
 

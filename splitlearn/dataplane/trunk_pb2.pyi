@@ -41,16 +41,18 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., row_nnz: _Optional[int] = ..., indices: _Optional[bytes] = ..., mask: _Optional[bytes] = ...) -> None: ...
 
 class Forward(_message.Message):
-    __slots__ = ("activations", "labels", "example_ids", "feedback_version")
+    __slots__ = ("activations", "labels", "example_ids", "feedback_version", "feedback_lineage")
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     EXAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_LINEAGE_FIELD_NUMBER: _ClassVar[int]
     activations: Tensor
     labels: Tensor
     example_ids: Tensor
     feedback_version: int
-    def __init__(self, activations: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ..., example_ids: _Optional[_Union[Tensor, _Mapping]] = ..., feedback_version: _Optional[int] = ...) -> None: ...
+    feedback_lineage: int
+    def __init__(self, activations: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ..., example_ids: _Optional[_Union[Tensor, _Mapping]] = ..., feedback_version: _Optional[int] = ..., feedback_lineage: _Optional[int] = ...) -> None: ...
 
 class Evaluate(_message.Message):
     __slots__ = ("activations", "labels")
@@ -67,16 +69,18 @@ class Backward(_message.Message):
     def __init__(self, grad: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Smashed(_message.Message):
-    __slots__ = ("activations", "labels", "example_ids", "feedback_version")
+    __slots__ = ("activations", "labels", "example_ids", "feedback_version", "feedback_lineage")
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     EXAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_LINEAGE_FIELD_NUMBER: _ClassVar[int]
     activations: Tensor
     labels: Tensor
     example_ids: Tensor
     feedback_version: int
-    def __init__(self, activations: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ..., example_ids: _Optional[_Union[Tensor, _Mapping]] = ..., feedback_version: _Optional[int] = ...) -> None: ...
+    feedback_lineage: int
+    def __init__(self, activations: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ..., example_ids: _Optional[_Union[Tensor, _Mapping]] = ..., feedback_version: _Optional[int] = ..., feedback_lineage: _Optional[int] = ...) -> None: ...
 
 class Request(_message.Message):
     __slots__ = ("seq", "forward", "evaluate", "backward", "smashed")

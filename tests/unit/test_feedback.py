@@ -4,6 +4,7 @@ invariants, device and trunk agreeing bit for bit, and every refusal of a bad fr
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from unittest import mock
 
 import pytest
@@ -290,7 +291,10 @@ def test_references_survive_the_devices_context_and_a_smaller_bound_starts_over(
     feedback.commit(ids, torch.randn(3, 2, 5))
     feedback.commit(ids[:2], torch.randn(2, 2, 5))
     back = ReferenceFeedback.from_state(feedback.state(), max_bytes=MAX)
-    assert back.version == 2
+    assert (back.version, back.lineage) == (2, feedback.lineage)
+    assert ReferenceFeedback(max_bytes=MAX).lineage != feedback.lineage  # drawn per start
+    unnamed = {k: v for k, v in feedback.state().items() if k != "lineage"}  # kept before it
+    assert ReferenceFeedback.from_state(unnamed, max_bytes=MAX).version == 0
     assert torch.equal(back.references.rows(ids, (2, 5)), feedback.references.rows(ids, (2, 5)))
     smaller = ReferenceFeedback.from_state(feedback.state(), max_bytes=2 * 40)
     assert smaller.version == 0 and len(smaller.references) == 0
@@ -329,7 +333,8 @@ def test_a_difference_beyond_the_bound_once_added_to_its_reference_is_refused(tr
     data = request(channel.next_seq(), "forward",
                    activations=encode_tensor(torch.full((4, 32, 8, 8), 99.0)),
                    labels=encode_tensor(labels), example_ids=encode_tensor(ids),
-                   feedback_version=channel.feedback.version)
+                   feedback_version=channel.feedback.version,
+                   feedback_lineage=channel.feedback.lineage)
     reply = send_raw(channel, data.SerializeToString())
     assert reply.refusal.reason == pb.Refusal.OUT_OF_RANGE, reply
     assert "|x| = 159" in reply.refusal.detail
@@ -608,22 +613,42 @@ def test_a_local_loss_client_past_its_share_is_told_in_the_ack_and_starts_over(
     assert trained(server, "x") == 3
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(
-    st.one_of(st.none(), st.integers(0, 5)),  # the state the device starts from (see below)
-    st.booleans(),  # whether the trunk dropped the client's memory before the round
-    st.integers(1, 4),  # the window
+@dataclass(frozen=True)
+class Round:
+    """One round of a device streaming smashed data with error feedback (see below)."""
+
+    start: int | None  # the kept state it starts from: None, the latest; else an older one
+    dropped: bool  # the trunk dropped the client's memory before the round
+    window: int
+    batches: list[list[int]]  # each batch's example ids
+    vanish: int  # its last ``vanish`` frames never reach the trunk, and the device is gone
+
+
+ROUNDS = st.lists(st.builds(
+    Round, st.one_of(st.none(), st.integers(0, 5)), st.booleans(), st.integers(1, 4),
     st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True),
-             min_size=1, max_size=5)), min_size=1, max_size=4))
+             min_size=1, max_size=5),
+    st.integers(0, 2)), min_size=1, max_size=4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ROUNDS)
 # Back to version 1 with the trunk at 3, and three frames in flight: the third carries 3.
-@example([(None, False, 1, [[0]]), (None, False, 1, [[1], [2]]),
-          (0, False, 3, [[0, 1], [2], [1, 2]])])
+@example([Round(None, False, 1, [[0]], 0), Round(None, False, 1, [[1], [2]], 0),
+          Round(0, False, 3, [[0, 1], [2], [1, 2]], 0)])
+# Ahead: the device moved its references for a frame the trunk never received.
+@example([Round(None, False, 2, [[0], [1]], 1), Round(None, False, 2, [[1], [0]], 0)])
+# Two starts from zero at one version: ahead by a frame, restarted (a stale refusal) and
+# at version 1 again, then back to the state kept before: only the lineage tells them apart.
+@example([Round(None, False, 1, [[0]], 1), Round(None, False, 1, [[0]], 0),
+          Round(0, False, 1, [[0]], 0)])
 def test_local_loss_frames_in_flight_never_leave_the_two_sides_apart(rounds):
-    """Rounds of frames in flight, each started from any state the device kept before (None:
-    the latest; a number: an older one, as after a round whose state was lost), with the trunk
-    sometimes having dropped the client: every frame the trunk queues holds the activations
-    the device agreed on for it, after every round both sides hold the same references at
-    the same version, and every batch sent was trained exactly once."""
+    """Rounds of frames in flight, each started from any state the device kept (an older one
+    models a round whose state was lost), the trunk sometimes having dropped the client, and
+    devices vanishing with frames on the way: every frame the trunk queues holds the
+    activations the device agreed on for it; after every round the device finishes, both
+    sides hold the same references at the same version, and each of its batches was trained
+    exactly once; a vanished round's queued batches are trained or dropped, once."""
     from splitlearn.dataplane.channel import InProcessTransport, TrunkChannel
 
     protocol = protocol_named("local_loss")
@@ -631,7 +656,7 @@ def test_local_loss_frames_in_flight_never_leave_the_two_sides_apart(rounds):
     tokens = TokenRegistry()
     endpoint = TrunkEndpoint({protocol.name: handler}, tokens, limits=limits(TOPK))
     # Per frame in the order sent (the in-process trunk answers each as it is sent): what
-    # the device agreed on, and what the trunk queued (None: refused).
+    # the device agreed on, and what the trunk queued (None: refused, or never received).
     frames: list[list[torch.Tensor | None]] = []
     encode, submit = ReferenceFeedback.encode, handler._submit
 
@@ -645,33 +670,50 @@ def test_local_loss_frames_in_flight_never_leave_the_two_sides_apart(rounds):
         return submit(batch)
 
     handler._submit = submitting
+    kept: list[dict] = []  # the device's state after each round (kept even if it vanished)
     with mock.patch.object(ReferenceFeedback, "encode", encoding):
-        sent = run_rounds(handler, endpoint, tokens, rounds, InProcessTransport, TrunkChannel)
-    assert handler.trained["c0"] == sent and handler.errors == 0
+        for server_round, spec in enumerate(rounds, start=1):
+            token = tokens.issue(client="c0", protocol=protocol.name, cut=CUT,
+                                 server_round=server_round, ttl_s=60)
+            channel = TrunkChannel(InProcessTransport(endpoint, token), compression=TOPK,
+                                   window=spec.window)
+            if kept:
+                state = kept[-1] if spec.start is None else kept[spec.start % len(kept)]
+                channel.feedback = ReferenceFeedback.from_state(state, max_bytes=MAX)
+            if spec.dropped:
+                handler.feedback.release("c0")
+            before, first = handler.trained["c0"] + handler.dropped["c0"], len(frames)
+            finished = stream_until_vanished(channel, spec.batches, spec.vanish, server_round)
+            handler.finish_round(["c0"] if finished else [])
+            moved = handler.trained["c0"] + handler.dropped["c0"] - before
+            assert moved == sum(q is not None for _, q in frames[first:])
+            if finished:
+                assert moved == len(spec.batches)
+                assert_same_references(handler.feedback, channel)
+            kept.append(channel.feedback.state())
+            channel.close()
+    assert handler.errors == 0
     for agreed, queued in frames:
         assert queued is None or torch.equal(queued, agreed)
 
 
-def run_rounds(handler, endpoint, tokens, rounds, transport, channel_type) -> int:
-    """The rounds of the test above; return the batches the device sent."""
-    kept: list[dict] = []  # the device's state after each round
-    sent = 0
-    for server_round, (start, dropped, window, batches) in enumerate(rounds, start=1):
-        token = tokens.issue(client="c0", protocol="local_loss", cut=CUT,
-                             server_round=server_round, ttl_s=60)
-        channel = channel_type(transport(endpoint, token), compression=TOPK, window=window)
-        if kept:
-            state = kept[-1] if start is None else kept[start % len(kept)]
-            channel.feedback = ReferenceFeedback.from_state(state, max_bytes=MAX)
-        if dropped:
-            handler.feedback.release("c0")
-        stream(channel, batches, seed=server_round)
-        sent += len(batches)
-        handler.finish_round(["c0"])
-        assert_same_references(handler.feedback, channel)
-        kept.append(channel.feedback.state())
-        channel.close()
-    return sent
+def stream_until_vanished(channel, batches: list[list[int]], vanish: int, seed: int) -> bool:
+    """:func:`stream`, except that the last ``vanish`` frames are lost with the device.
+
+    Returns whether the device finished the round (then every frame was acknowledged).
+    """
+    if not vanish:
+        stream(channel, batches, seed=seed)
+        return True
+    try:
+        for n, ids in enumerate(batches):
+            if n == max(0, len(batches) - vanish):
+                channel.transport.send = lambda data: None  # the link is gone
+            acts, labels, example_ids = batch(seed + n, ids)
+            channel.send_smashed(acts, labels, example_ids=example_ids)
+    except TrunkRejected:  # an ack it waited for never came: as a reply timeout would
+        pass
+    return False
 
 
 def test_a_local_loss_refusal_other_than_stale_still_fails_the_round(trunk_server_factory):
