@@ -497,6 +497,8 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
         metrics["gradient-epsilon"] = gradient_epsilon
     if KEY_CLIPPING_NORM in msg.content["config"]:
         metrics[UPDATE_WEIGHT_KEY] = 1.0  # DP-FedAvg averages devices uniformly
+    if channel is not None and spec.compression.error_feedback:
+        metrics["feedback-restarts"] = channel.restarts  # 0 while both sides stay in step
     metrics["handler-s"] = time.perf_counter() - entered
     content = RecordDict({"arrays": arrays, "metrics": metrics})
     for key, arrays in step.reply_arrays().items():

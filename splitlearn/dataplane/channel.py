@@ -327,6 +327,14 @@ class TrunkChannel:
         """One-way requests sent and not yet acknowledged."""
         return len(self._unacked)
 
+    @property
+    def restarts(self) -> int:
+        """Times the references shared with the trunk started over from zero on this channel.
+
+        Each time the trunk found them stale or dropped them, or the cut moved.
+        """
+        return self._generation
+
     def next_seq(self) -> int:
         """Take the next request sequence number (every request needs a fresh one)."""
         self._seq += 1
@@ -430,7 +438,9 @@ class TrunkChannel:
         feedback = self.feedback
         assert feedback is not None
         if not feedback.references.holds(tuple(activations.shape[1:])):  # another cut now
-            feedback = self.feedback = ReferenceFeedback(max_bytes=self._feedback_max_bytes)
+            self._restart_references()
+            feedback = self.feedback
+            assert feedback is not None
         _admit(feedback.references, ids, tuple(activations.shape[1:]))
         # ``agreed`` is what the trunk trains on: it decodes these bytes onto the same reference.
         frame, agreed = feedback.encode(ids, activations.detach().float(), self._round_trip)

@@ -42,3 +42,5 @@ def test_local_loss_two_rounds_three_clients(tmp_path, mode):
         # Dense smashed data: 8 KiB a sample at cut 1 (float32); a tenth of it in top-k.
         assert (data_plane_up < 1024 * r["examples"]) == (mode == "top-k with error feedback")
     assert len(rows) == 6 and {row["status"] for row in rows} == {"ok"}
+    if mode == "top-k with error feedback":  # each device's references carried on, in step
+        assert [row["feedback_restarts"] for row in rows] == ["0"] * 6

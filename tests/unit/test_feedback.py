@@ -184,7 +184,7 @@ def test_a_device_behind_the_trunk_is_refused_as_stale_and_starts_over_from_zero
     channel.feedback = ReferenceFeedback.from_state(before_last, max_bytes=MAX)
     sent = RecordingSends(channel)
     channel.forward(acts, labels, example_ids=ids)
-    assert sent.versions == [1, 0]  # refused as stale, then sent again from zero
+    assert sent.versions == [1, 0] and channel.restarts == 1  # stale, then sent from zero
     memory = server.handler.feedback["c0"].uplink
     assert memory.version == channel.feedback.version == 1
     assert torch.equal(memory.references.rows(ids, (32, 8, 8)),
@@ -586,6 +586,7 @@ def test_a_local_loss_device_behind_the_trunk_sends_its_whole_window_again_from_
     stream(channel, [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 8, 9]], seed=5)
     assert sent.versions == [1, 2, 3, 0, 1, 2]  # all three refused, then sent from zero
     assert channel.feedback.version == 3 and channel.in_flight == 0
+    assert channel.restarts == 1  # once: the frames behind the first were already stale
     assert_same_references(server.handler.feedback, channel)
     assert trained(server) == 6  # 3, then the 3 sent again; none of the stale ones
 
