@@ -353,29 +353,37 @@ def _label_secret(context: Context) -> int:
     return int(record["secret"])
 
 
-def _restore_feedback(context: Context, channel: TrunkChannel | None, spec: RunSpec) -> None:
-    """Give the channel the error-feedback rows this device kept from earlier rounds."""
+def _restore_feedback(context: Context, channel: TrunkChannel | None, spec: RunSpec, *,
+                      cut: int) -> None:
+    """Give the channel the error-feedback rows this device kept from earlier rounds.
+
+    Only those kept at ``cut``: at another cut they are references of another layer's
+    values (even where the shapes agree), and the device starts over from zero (so does
+    the trunk, told by version 0, instead of refusing the first batch as stale).
+    """
     if channel is None or not spec.compression.error_feedback:
         return
     records = context.state.array_records
     bound = spec.compression.feedback_max_bytes
-    if channel.feedback is not None and FEEDBACK_STATE_KEY in records:
-        channel.feedback = ReferenceFeedback.from_state(
-            record_to_state(records[FEEDBACK_STATE_KEY]), max_bytes=bound)
-    if FEATURE_FEEDBACK_STATE_KEY in records:
+    kept = {key: record_to_state(records[key])
+            for key in (FEEDBACK_STATE_KEY, FEATURE_FEEDBACK_STATE_KEY) if key in records}
+    kept = {key: state for key, state in kept.items() if int(state.get("cut", -1)) == cut}
+    if channel.feedback is not None and FEEDBACK_STATE_KEY in kept:
+        channel.feedback = ReferenceFeedback.from_state(kept[FEEDBACK_STATE_KEY], max_bytes=bound)
+    if FEATURE_FEEDBACK_STATE_KEY in kept:
         channel.feature_feedback = ReferenceFeedback.from_state(
-            record_to_state(records[FEATURE_FEEDBACK_STATE_KEY]), max_bytes=bound)
+            kept[FEATURE_FEEDBACK_STATE_KEY], max_bytes=bound)
 
 
-def _keep_feedback(context: Context, channel: TrunkChannel) -> None:
-    """Keep the channel's error-feedback rows for the next round.
+def _keep_feedback(context: Context, channel: TrunkChannel, *, cut: int) -> None:
+    """Keep the channel's error-feedback rows, and the cut they are at, for the next round.
 
     Also after a failed round: the version tells the trunk whether they are still its own.
     """
     for key, memory in ((FEEDBACK_STATE_KEY, channel.feedback),
                         (FEATURE_FEEDBACK_STATE_KEY, channel.feature_feedback)):
         if memory is not None:
-            context.state[key] = state_to_record(memory.state())
+            context.state[key] = state_to_record(memory.state() | {"cut": torch.tensor(cut)})
 
 
 def _load_accountant(context: Context) -> PrivacyAccountant:
@@ -455,7 +463,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
             pacer.transfer(bytes_down=record_bytes(msg.content["arrays"]))
         channel = (open_channel(rnd.trunk_address, rnd.token, spec, proof=rnd.proof())
                    if step.needs_channel else None)
-        _restore_feedback(context, channel, spec)
+        _restore_feedback(context, channel, spec, cut=rnd.cut)
         deadline = _deadline(rnd, plan, weights_bytes=record_bytes(msg.content["arrays"]),
                              batches=len(loader) * spec.strategy.local_epochs)
         try:
@@ -464,7 +472,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
                                  max_steps=rnd.max_steps, deadline=deadline)
         finally:
             if channel is not None:
-                _keep_feedback(context, channel)
+                _keep_feedback(context, channel, cut=rnd.cut)
                 channel.close()
     finally:
         privacy.close()

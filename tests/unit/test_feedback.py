@@ -285,6 +285,34 @@ def test_a_new_cut_starts_the_references_over(trunk_server_factory):
     assert server.handler.feedback["c0"].uplink.references.holds(tuple(at_two.shape[1:]))
 
 
+def test_a_device_keeps_its_references_for_the_next_round_at_the_same_cut_only(
+        trunk_server_factory):
+    """Kept in the node's Flower context with the cut they are at: the next round at that cut
+    carries on at their version; at another cut (even one of the same shape) it starts over,
+    and the trunk with it, without a stale refusal first."""
+    from flwr.app import Context, RecordDict
+
+    from clients.app import _keep_feedback, _restore_feedback
+
+    server = trunk_server_factory(digits_like_model(), limits=limits(TOPK))
+    spec = RunSpec(compression=TOPK)
+    node = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    first = server.local_channel(server.token(CUT), compression=TOPK)
+    acts, labels, ids = batch(0, [0, 1, 2, 3])
+    first.forward(acts, labels, example_ids=ids)
+    _keep_feedback(node, first, cut=CUT)
+    same = server.local_channel(server.token(CUT, server_round=2), compression=TOPK)
+    _restore_feedback(node, same, spec, cut=CUT)
+    assert (same.feedback.version, same.feedback.lineage) == (1, first.feedback.lineage)
+    moved = server.local_channel(server.token(CUT, server_round=3), compression=TOPK)
+    _restore_feedback(node, moved, spec, cut=CUT + 1)  # as if the planner moved it
+    assert moved.feedback.version == 0 and len(moved.feedback.references) == 0
+    sent = RecordingSends(moved)
+    moved.forward(acts, labels, example_ids=ids)  # the trunk's rows are the same shape here
+    assert sent.versions == [0] and moved.restarts == 0
+    assert server.handler.feedback["c0"].uplink.version == 1
+
+
 def test_references_survive_the_devices_context_and_a_smaller_bound_starts_over():
     feedback = ReferenceFeedback(max_bytes=MAX)
     ids = torch.tensor([4, 1, 7])
