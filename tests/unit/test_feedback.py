@@ -138,13 +138,12 @@ def batch(seed: int, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.
     return acts, torch.randint(0, 10, (len(ids),), generator=g), torch.tensor(ids)
 
 
-@pytest.mark.parametrize("compression", [
-    TOPK, CompressionConfig(uplink="int8", downlink="none", error_feedback=True),
-    CompressionConfig(uplink="none", downlink="topk", error_feedback=True),
-])
-def test_device_and_trunk_hold_the_same_references_bit_for_bit_across_rounds(
-        compression, trunk_server_factory):
-    server = trunk_server_factory(digits_like_model(), limits=limits(compression))
+def across_rounds(server, compression: CompressionConfig):
+    """Two rounds, each a fresh gRPC channel holding what the device kept from the one before.
+
+    Yields the round's number, its batches (example ids; the second round revisits the
+    first's examples) and the channel, closed once the caller is done with it.
+    """
     kept = None  # what the device keeps in its context between rounds
     for server_round, batches in enumerate([[[0, 1, 2, 3], [4, 5, 0, 1]],
                                             [[2, 3, 4, 5], [1, 0, 9, 8]]], start=1):
@@ -152,12 +151,23 @@ def test_device_and_trunk_hold_the_same_references_bit_for_bit_across_rounds(
                                  compression=compression)
         if kept is not None:
             channel.feedback = ReferenceFeedback.from_state(kept, max_bytes=MAX)
+        yield server_round, batches, channel
+        kept = channel.feedback.state() if channel.feedback is not None else None
+        channel.close()
+
+
+@pytest.mark.parametrize("compression", [
+    TOPK, CompressionConfig(uplink="int8", downlink="none", error_feedback=True),
+    CompressionConfig(uplink="none", downlink="topk", error_feedback=True),
+])
+def test_device_and_trunk_hold_the_same_references_bit_for_bit_across_rounds(
+        compression, trunk_server_factory):
+    server = trunk_server_factory(digits_like_model(), limits=limits(compression))
+    for _, batches, channel in across_rounds(server, compression):
         for seed, ids in enumerate(batches):
             acts, labels, example_ids = batch(seed, ids)
             grad, _, _ = channel.forward(acts, labels, example_ids=example_ids)
             assert grad.shape == acts.shape
-        kept = channel.feedback.state() if channel.feedback is not None else None
-        channel.close()
     memory = server.handler.feedback["c0"]
     assert (memory.uplink is None) == (channel.feedback is None) == (
         compression.uplink == "none")
@@ -578,18 +588,10 @@ def test_local_loss_device_and_trunk_hold_the_same_references_across_rounds(
     and as they are queued, and agree bit for bit; the trunk trains on every batch."""
     server = local_loss_server(trunk_server_factory, compression)
     assert server.handler.feedback.downlink is False  # nothing comes down to feed back
-    kept = None
-    for server_round, batches in enumerate([[[0, 1, 2, 3], [4, 5, 0, 1]],
-                                            [[2, 3, 4, 5], [1, 0, 9, 8]]], start=1):
-        channel = server.channel(server.token(CUT, server_round=server_round),
-                                 compression=compression)
-        if kept is not None:
-            channel.feedback = ReferenceFeedback.from_state(kept, max_bytes=MAX)
+    for server_round, batches, channel in across_rounds(server, compression):
         sent = RecordingSends(channel)
         stream(channel, batches, seed=2 * server_round)
         assert sent.versions == [2 * server_round - 2, 2 * server_round - 1]
-        kept = channel.feedback.state()
-        channel.close()
     assert channel.feedback.version == 4  # no reset between the rounds
     assert_same_references(server.handler.feedback, channel)
     assert len(server.handler.feedback["c0"].uplink.references) == 8
