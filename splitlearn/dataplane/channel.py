@@ -422,28 +422,39 @@ class TrunkChannel:
             self.feature_feedback = ReferenceFeedback(max_bytes=self._feedback_max_bytes)
 
     @property
+    def _shared(self) -> ReferenceFeedback | None:
+        """The references whose version and lineage the frames carry (U-shaped: both move)."""
+        return self.feedback or self.feature_feedback
+
+    @property
     def feedback_version(self) -> int:
         """Batches the shared references absorbed since they were zero."""
-        references = self.feedback or self.feature_feedback
-        return 0 if references is None else references.version
+        return 0 if self._shared is None else self._shared.version
 
     @property
     def feedback_lineage(self) -> int:
         """The start from zero the shared references come from (0 before the first)."""
-        references = self.feedback or self.feature_feedback
-        return 0 if references is None else references.lineage
+        return 0 if self._shared is None else self._shared.lineage
+
+    def _difference(self, activations: torch.Tensor, ids: torch.Tensor
+                    ) -> tuple[ReferenceFeedback, Frame, torch.Tensor]:
+        """Encode the rows as differences from their references (zeroed first at another cut).
+
+        Returns the references, the frame and ``agreed``: what the trunk trains on, since it
+        decodes the same bytes onto the same references.
+        """
+        shape = tuple(activations.shape[1:])
+        assert self.feedback is not None
+        if not self.feedback.references.holds(shape):  # another cut now
+            self._restart_references()
+        feedback = self.feedback
+        _admit(feedback.references, ids, shape)
+        frame, agreed = feedback.encode(ids, activations.detach().float(), self._round_trip)
+        return feedback, frame, agreed
 
     def _forward_difference(self, activations: torch.Tensor, labels: torch.Tensor,
                             ids: torch.Tensor) -> Frame | pb.Reply:
-        feedback = self.feedback
-        assert feedback is not None
-        if not feedback.references.holds(tuple(activations.shape[1:])):  # another cut now
-            self._restart_references()
-            feedback = self.feedback
-            assert feedback is not None
-        _admit(feedback.references, ids, tuple(activations.shape[1:]))
-        # ``agreed`` is what the trunk trains on: it decodes these bytes onto the same reference.
-        frame, agreed = feedback.encode(ids, activations.detach().float(), self._round_trip)
+        feedback, frame, agreed = self._difference(activations, ids)
         reply = self._call("gradient", "forward", activations=frame,
                            labels=encode_tensor(labels), example_ids=encode_tensor(ids),
                            feedback_version=feedback.version, feedback_lineage=feedback.lineage)
@@ -488,15 +499,10 @@ class TrunkChannel:
     def _features_difference(self, activations: torch.Tensor, ids: torch.Tensor
                              ) -> torch.Tensor:
         """One U-shaped forward with error feedback: both references move together."""
-        shape = tuple(activations.shape[1:])
-        if self.feedback is not None and not self.feedback.references.holds(shape):
-            self._restart_references()  # another cut now
         if self.feedback is None:
             frame, agreed = self._encode(activations), None
         else:
-            _admit(self.feedback.references, ids, shape)
-            frame, agreed = self.feedback.encode(ids, activations.detach().float(),
-                                                 self._round_trip)
+            _, frame, agreed = self._difference(activations, ids)
         if self._features_feedback and self.feature_feedback is None:  # its lineage goes now
             self.feature_feedback = ReferenceFeedback(max_bytes=self._feedback_max_bytes)
         reply = self._call("features", "forward", activations=frame,
@@ -551,13 +557,7 @@ class TrunkChannel:
                                         _checked_ids(example_ids), self._generation))
 
     def _send_difference(self, batch: _InFlight) -> None:
-        shape = tuple(batch.activations.shape[1:])
-        assert self.feedback is not None
-        if not self.feedback.references.holds(shape):  # another cut now
-            self._restart_references()
-        feedback = self.feedback
-        _admit(feedback.references, batch.ids, shape)
-        frame, agreed = feedback.encode(batch.ids, batch.activations, self._round_trip)
+        feedback, frame, agreed = self._difference(batch.activations, batch.ids)
         self._send("smashed", activations=frame, labels=encode_tensor(batch.labels),
                    example_ids=encode_tensor(batch.ids), feedback_version=feedback.version,
                    feedback_lineage=feedback.lineage)
