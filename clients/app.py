@@ -354,15 +354,21 @@ def _label_secret(context: Context) -> int:
 
 
 def _restore_feedback(context: Context, channel: TrunkChannel | None, spec: RunSpec, *,
-                      cut: int) -> None:
+                      cut: int) -> int:
     """Give the channel the error-feedback rows this device kept from earlier rounds.
 
     Only those kept at ``cut``: at another cut they are references of another layer's
     values (even where the shapes agree), and the device starts over from zero (so does
     the trunk, told by version 0, instead of refusing the first batch as stale).
+
+    Returns
+    -------
+    int
+        The examples whose references the device carries into this round (0: it starts
+        from zero).
     """
     if channel is None or not spec.compression.error_feedback:
-        return
+        return 0
     records = context.state.array_records
     bound = spec.compression.feedback_max_bytes
     kept = {key: record_to_state(records[key])
@@ -373,6 +379,8 @@ def _restore_feedback(context: Context, channel: TrunkChannel | None, spec: RunS
     if FEATURE_FEEDBACK_STATE_KEY in kept:
         channel.feature_feedback = ReferenceFeedback.from_state(
             kept[FEATURE_FEEDBACK_STATE_KEY], max_bytes=bound)
+    memories = (channel.feedback, channel.feature_feedback)
+    return max((len(m.references) for m in memories if m is not None), default=0)
 
 
 def _keep_feedback(context: Context, channel: TrunkChannel, *, cut: int) -> None:
@@ -463,7 +471,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
             pacer.transfer(bytes_down=record_bytes(msg.content["arrays"]))
         channel = (open_channel(rnd.trunk_address, rnd.token, spec, proof=rnd.proof())
                    if step.needs_channel else None)
-        _restore_feedback(context, channel, spec, cut=rnd.cut)
+        carried = _restore_feedback(context, channel, spec, cut=rnd.cut)
         deadline = _deadline(rnd, plan, weights_bytes=record_bytes(msg.content["arrays"]),
                              batches=len(loader) * spec.strategy.local_epochs)
         try:
@@ -507,6 +515,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
         metrics[UPDATE_WEIGHT_KEY] = 1.0  # DP-FedAvg averages devices uniformly
     if channel is not None and spec.compression.error_feedback:
         metrics["feedback-restarts"] = channel.restarts  # 0 while both sides stay in step
+        metrics["feedback-carried"] = carried  # rows kept in context.state since last round
     metrics["handler-s"] = time.perf_counter() - entered
     content = RecordDict({"arrays": arrays, "metrics": metrics})
     for key, arrays in step.reply_arrays().items():

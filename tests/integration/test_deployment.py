@@ -234,17 +234,44 @@ def device_data(folder: Path, shares: int = 2) -> list[tuple[Path, int]]:
 
 
 def start_device(processes: Processes, env, *, index: int, count: int, port: int, ca: Path,
-                 key: Path, profile: str, data: Path, ledger: Path, cache: Path
+                 key: Path, profile: str, data: Path, cache: Path, ledger: Path | None = None
                  ) -> subprocess.Popen:
-    """A device joining with ``python -m clients.connect`` (its own data, floor, ledger and
-    data cache)."""
+    """A device joining with ``python -m clients.connect`` (its own data and data cache;
+    with a ``ledger``, also a privacy floor of activation noise and its ledger there)."""
+    floor = ([] if ledger is None else
+             ["--privacy-option", "activation_gaussian", "--privacy-ledger", str(ledger)])
     return processes.start(f"device-{index}", [
         sys.executable, "-m", "clients.connect", "--superlink", f"127.0.0.1:{port}",
         "--profile", profile, "--data", str(data), "--cache-dir", str(cache),
-        "--root-certificates", str(ca),
-        "--auth-key", str(key), "--partition-id", str(index), "--num-partitions", str(count),
-        "--privacy-option", "activation_gaussian", "--privacy-ledger", str(ledger),
-        "--port", str(free_port()), "--max-wait-time", "60"], env)
+        "--root-certificates", str(ca), "--auth-key", str(key), "--partition-id", str(index),
+        "--num-partitions", str(count), *floor, "--port", str(free_port()),
+        "--max-wait-time", "60"], env)
+
+
+def start_registered_devices(processes: Processes, env, tmp_path: Path, *, port: int, ca: Path,
+                             profiles: list[str], data: list[tuple[Path, int]],
+                             privacy_floor: bool) -> list[subprocess.Popen]:
+    """Register a key per device with the SuperLink, start the devices, wait until online.
+
+    On the devices Ray, Hydra and W&B cannot even be imported.
+    """
+    device_env = env | {"PYTHONPATH": os.pathsep.join(
+        [str(blocked_imports(tmp_path / "blocked")), str(ROOT)])}
+    probe = subprocess.run([sys.executable, "-c", "import ray"], env=device_env,
+                           capture_output=True, text=True)
+    assert "ray is not a client dependency" in probe.stderr  # the block works
+    devices = []
+    for i, profile in enumerate(profiles):
+        private, public = make_node_key(tmp_path / "keys", f"device{i}")
+        registered = flwr("supernode", "register", str(public), "--format", "json", env=env)
+        assert registered.returncode == 0, registered.stdout + registered.stderr
+        devices.append(start_device(
+            processes, device_env, index=i, count=len(profiles), port=port, ca=ca, key=private,
+            profile=profile, data=data[i][0], cache=tmp_path / "caches" / f"device{i}",
+            ledger=tmp_path / "ledgers" / f"device{i}.json" if privacy_floor else None))
+    wait_for(lambda: len(online_nodes(env)) == len(profiles),
+             f"{len(profiles)} devices online")
+    return devices
 
 
 def checkpointed_round(run_dir: Path) -> int:
@@ -269,28 +296,14 @@ def test_deployment_with_tls_node_auth_devices_that_vanish_and_a_serverapp_that_
     from splitlearn.privacy import compute_epsilon
 
     files, env, port, processes = deployment
-    # On the devices Ray, Hydra and W&B cannot even be imported.
-    device_env = env | {"PYTHONPATH": os.pathsep.join(
-        [str(blocked_imports(tmp_path / "blocked")), str(ROOT)])}
-    probe = subprocess.run([sys.executable, "-c", "import ray"], env=device_env,
-                           capture_output=True, text=True)
-    assert "ray is not a client dependency" in probe.stderr  # the block works
     data = device_data(tmp_path, shares=3)
     profiles = ["mid_range_phone", "raspberry_pi_4", "low_end_phone"]
-    devices = []
-    for i, profile in enumerate(profiles):
-        private, public = make_node_key(tmp_path / "keys", f"device{i}")
-        registered = flwr("supernode", "register", str(public), "--format", "json", env=env)
-        assert registered.returncode == 0, registered.stdout + registered.stderr
-        devices.append(start_device(
-            processes, device_env, index=i, count=3, port=port, ca=files.ca, key=private,
-            profile=profile, data=data[i][0], ledger=tmp_path / "ledgers" / f"device{i}.json",
-            cache=tmp_path / "caches" / f"device{i}"))
+    devices = start_registered_devices(processes, env, tmp_path, port=port, ca=files.ca,
+                                       profiles=profiles, data=data, privacy_floor=True)
     # A node whose key was never registered is turned away by the SuperLink.
     rogue, _ = make_node_key(tmp_path / "keys", "rogue")
     intruder = start_supernode(processes, env, port=port, ca=files.ca, key=rogue, partition=9,
                                partitions=3)
-    wait_for(lambda: len(online_nodes(env)) == 3, "3 devices online")
     assert intruder.wait(timeout=90) != 0
     assert "Failed to activate SuperNode" in processes.log("supernode-9")
 
@@ -371,3 +384,35 @@ def test_deployment_with_tls_node_auth_devices_that_vanish_and_a_serverapp_that_
     # Each device read its file once and kept its data in its cache folder after.
     assert [len(list((tmp_path / "caches" / f"device{i}").glob("data-*.pt")))
             for i in range(3)] == [1, 1, 1]
+
+
+@pytest.mark.serial
+def test_error_feedback_references_carry_over_between_rounds_on_devices(tmp_path, deployment):
+    """Top-k with error feedback on SuperNodes: each device's references live in its
+    ``context.state``, which the SuperNode hands to a fresh ClientApp process each round.
+
+    Round 1 starts both sides from zero; in rounds 2 and 3 every device carries a reference
+    for each of its examples, and the trunk takes them as its own (no restart).
+    """
+    files, env, port, processes = deployment
+    data = device_data(tmp_path, shares=2)
+    start_registered_devices(processes, env, tmp_path, port=port, ca=files.ca,
+                             profiles=["mid_range_phone", "raspberry_pi_4"], data=data,
+                             privacy_floor=False)
+    run_dir = tmp_path / "run"
+    run = start_run(run_dir, ["strategy.num_rounds=3", "strategy.round_timeout_s=120",
+                              "logger=none", "num_clients=2", "compression=topk_feedback",
+                              *tls_overrides(files)], env)
+    output, _ = run.communicate(timeout=400)
+    assert run.returncode == 0, output[-3000:]
+    rounds = recorded_rounds(run_dir)
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3]
+    assert rounds[3]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.2
+    rows = read_clients(run_dir)
+    assert len(rows) == 6 and {r["status"] for r in rows} == {"ok"}, rows
+    held = {str(i): size for i, (_, size) in enumerate(data)}  # each device's own file
+    assert [int(r["feedback_carried"]) for r in rows] == [
+        0 if r["round"] == "1" else held[r["partition_id"]] for r in rows]
+    assert [r["feedback_restarts"] for r in rows] == ["0"] * 6
+    for r in rounds[1:]:  # a tenth of each row goes up, as values and indices
+        assert r["bytes_up"] - r["weights_bytes_up"] < 1024 * r["examples"]

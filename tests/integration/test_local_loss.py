@@ -44,3 +44,6 @@ def test_local_loss_two_rounds_three_clients(tmp_path, mode):
     assert len(rows) == 6 and {row["status"] for row in rows} == {"ok"}
     if mode == "top-k with error feedback":  # each device's references carried on, in step
         assert [row["feedback_restarts"] for row in rows] == ["0"] * 6
+        epochs = config["strategy"]["local_epochs"]
+        assert [int(row["feedback_carried"]) for row in rows] == [
+            0 if row["round"] == "1" else int(row["num_examples"]) // epochs for row in rows]
