@@ -72,6 +72,10 @@
     channels-last, for every network at its config's cut (``--models``); see
     :mod:`experiments.trunk_bench`.
 
+``handoff``
+    The trunk's step taken from one thread, alternating between two threads, and
+    alternating with ``dataplane.trunk_sticky_core``; see :mod:`experiments.handoff_bench`.
+
 Extra arguments are Hydra overrides, e.g. ``strategy.num_rounds=5``.
 """
 
@@ -400,13 +404,20 @@ def bench_trunk_suite(overrides: Sequence[str], *, models: Sequence[str] | None 
     bench_trunk(overrides, models=models)
 
 
+def bench_handoff_suite(overrides: Sequence[str]) -> None:
+    """Time the trunk's step as it hops threads (:mod:`experiments.handoff_bench`)."""
+    from experiments.handoff_bench import bench_handoff
+
+    bench_handoff(overrides)
+
+
 BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
               "compression": bench_compression_suite, "communication": bench_communication_suite,
               "latency": bench_latency_suite, "scale": bench_scale_suite,
               "clock": bench_clock, "memory": bench_memory, "planner": bench_planner_suite,
               "tls": bench_tls, "executorch": bench_executorch,
               "executorch-rounds": bench_executorch_rounds_suite, "netns": bench_netns_suite,
-              "trunk": bench_trunk_suite}
+              "trunk": bench_trunk_suite, "handoff": bench_handoff_suite}
 
 
 def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils import get_total_norm, parameters_to_vector
 
+from server.cores import StickyCore
 from splitlearn.dataplane.codec import FrameError, Reason
 from splitlearn.device_sgd import DeviceSGD
 from splitlearn.models import SplittableModel
@@ -43,11 +44,14 @@ class Trunk:
         prefers (:attr:`SplittableModel.channels_last`). Only the activations change
         layout: the weights, their state and the gradient sent back keep PyTorch's
         standard one.
+    sticky_core : bool
+        Start every step on the core the last one ended on, whichever thread takes it
+        (:class:`server.cores.StickyCore`; Linux).
     """
 
     def __init__(
         self, model: SplittableModel, *, lr: float, momentum: float = 0.0,
-        weight_decay: float = 0.0, channels_last: bool | None = None,
+        weight_decay: float = 0.0, channels_last: bool | None = None, sticky_core: bool = True,
     ) -> None:
         self.model = model
         self.hyper = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
@@ -57,6 +61,7 @@ class Trunk:
         self._cut_shapes = {cut: model.cut_shape(cut) for cut in model.valid_cuts}
         self.optimizer = DeviceSGD(model.parameters(), **self.hyper)
         self._lock = threading.Lock()
+        self.core = StickyCore(enabled=sticky_core)
         self._buffers = list(model.buffers())  # batch-norm statistics: a refused step restores them
         self.steps = 0
         self.samples = 0
@@ -89,6 +94,7 @@ class Trunk:
     @contextmanager
     def _held(self, *, train: bool) -> Iterator[None]:
         with self._lock:
+            self.core.enter()
             started = time.perf_counter()
             if self.model.training != train:  # walking every module costs ~70 us a step
                 self.model.train(train)
@@ -96,6 +102,7 @@ class Trunk:
                 yield
             finally:
                 self.busy_s += time.perf_counter() - started
+                self.core.leave()
 
     @contextmanager
     def step(
@@ -224,7 +231,7 @@ class Trunk:
         """Return an independent trunk on a copy of the model, with a fresh optimiser."""
         with self._lock:
             return Trunk(copy.deepcopy(self.model), **self.hyper,
-                         channels_last=self.channels_last)
+                         channels_last=self.channels_last, sticky_core=self.core.active)
 
     def snapshot(self) -> SplittableModel:
         """Return an independent copy of the whole server model."""

@@ -82,6 +82,13 @@ class TrunkRecipe:
     options: StrategyConfig
     limits: DataPlaneConfig
 
+    @property
+    def sticky_core(self) -> bool:
+        """Whether the trunk starts each step on the core the last one ended on."""
+        if self.limits.trunk_sticky_core is not None:
+            return self.limits.trunk_sticky_core
+        return self.limits.trunk_workers == 1
+
     def build(self) -> tuple[Trunk, Any, TokenRegistry, TrunkEndpoint]:
         """Build the seeded trunk, the protocol's session handler (or None) and the endpoint."""
         from protocols import protocol_named
@@ -91,7 +98,8 @@ class TrunkRecipe:
         model = build_model_from_config(self.model, self.dataset, seed=self.seed)
         s = self.options
         trunk = Trunk(model, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay,
-                      channels_last=self.limits.channels_last)
+                      channels_last=self.limits.channels_last,
+                      sticky_core=self.sticky_core)
         handler = protocol.trunk(trunk, s, self.limits) if protocol.trunk else None
         tokens = TokenRegistry()
         handlers = {protocol.name: handler} if handler is not None else {}

@@ -169,6 +169,10 @@ class DataPlaneConfig:
     # and a key costs each newly sampled node one more Flower message.
     node_keys: bool | None = None
     trunk_threads: int = 1  # intra-op threads of the trunk's process (see engine)
+    # Start each trunk step on the core the last one ended on, whichever data-plane thread
+    # serves it (Linux; server/cores.py): steps hopping cores start with cold caches.
+    # None: on with one trunk process, off with trunk_workers > 1 (measured no gain there).
+    trunk_sticky_core: bool | None = None
     # The trunk's 4-D activations channels-last; None: as the model prefers
     # (SplittableModel.channels_last, measured by `python -m experiments.bench trunk`).
     channels_last: bool | None = None
