@@ -152,7 +152,8 @@ def plot_handoffs(rows: Sequence[HandoffTime], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
-    ax.bar(range(len(rows)), [r.step_ms for r in rows], color="tab:blue")
+    bars = ax.bar(range(len(rows)), [r.step_ms for r in rows], color="tab:blue")
+    ax.bar_label(bars, fmt="%.2f ms", fontsize=8)
     ax.set_xticks(range(len(rows)), [r.mode for r in rows], fontsize=8)
     ax.set_ylabel("ms per trunk step (median)")
     ax.set_title("The trunk's step, from one thread or alternating between two")
