@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from protocols import Protocol, check_config, compose_config, protocol_named, tail_cut_of
+from server.allocator import reuse_freed_memory
 from server.checkpoint import (
     RunCheckpoint,
     load_checkpoint,
@@ -115,6 +116,8 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
     run_dir.mkdir(parents=True, exist_ok=True)
     resumed = load_checkpoint(run_dir, config=to_container(cfg)) if cfg.resume else None
     torch.set_num_threads(cfg.dataplane.trunk_threads)
+    if cfg.dataplane.trunk_reuses_memory:
+        reuse_freed_memory()
     protocol = protocol_named(cfg.strategy.name)
     trunk, handler, tokens, endpoint = build_trunk(cfg)
     service = workers = None

@@ -44,6 +44,7 @@ import grpc
 import torch
 from torch import Tensor
 
+from server.allocator import reuse_freed_memory
 from server.sessions.merge import StageCopy, client_copy, client_stages, merge_stages, trunk_copy
 from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, DatasetConfig, ModelConfig, StrategyConfig
@@ -180,6 +181,8 @@ def serve_worker(recipe: TrunkRecipe, port: int, conn: Connection) -> None:
     pipe closes (the ServerApp's process died), so no worker outlives its run.
     """
     torch.set_num_threads(recipe.limits.trunk_threads)
+    if recipe.limits.trunk_reuses_memory:
+        reuse_freed_memory()
     trunk, handler, tokens, endpoint = recipe.build()
     limits = recipe.limits
     service = TrunkService(endpoint, host=limits.host, port=port,

@@ -173,6 +173,9 @@ class DataPlaneConfig:
     # serves it (Linux; server/cores.py): steps hopping cores start with cold caches.
     # None: on with one trunk process, off with trunk_workers > 1 (measured no gain there).
     trunk_sticky_core: bool | None = None
+    # The trunk's processes keep the memory their steps free for the next step, instead
+    # of giving it back and faulting it in again (glibc; server/allocator.py).
+    trunk_reuses_memory: bool = True
     # The trunk's 4-D activations channels-last; None: as the model prefers
     # (SplittableModel.channels_last, measured by `python -m experiments.bench trunk`).
     channels_last: bool | None = None
