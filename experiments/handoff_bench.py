@@ -28,18 +28,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
+from experiments.trunk_bench import Batch, cut_batches
 from protocols import compose_config
 from server.sessions.split import train_on_batch
 from server.trunk import Trunk
 from splitlearn.config import to_object
-from splitlearn.models import SplittableModel
 from splitlearn.models.factory import build_model_from_config
 
 MODES = ("one thread", "two threads", "two threads, sticky core")
-
-Batch = tuple[Tensor, Tensor]
 
 
 @dataclass(frozen=True)
@@ -51,21 +48,6 @@ class HandoffTime:
     cpu_ms: float
     steps: int
     core_moves: int
-
-
-def cut_batches(model: SplittableModel, cut: int, batch: int, *, count: int = 8,
-                seed: int = 0) -> list[Batch]:
-    """``count`` batches of what devices send at ``cut``: random inputs through the bottom."""
-    generator = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(count):
-        acts = torch.rand(batch, *model.input_shape, generator=generator)
-        with torch.no_grad():
-            for stage in model.stages[:cut]:
-                acts = stage(acts)
-        batches.append((acts, torch.randint(0, model.num_classes, (batch,),
-                                            generator=generator)))
-    return batches
 
 
 def timed_step(trunk: Trunk, cut: int, batch: Batch) -> tuple[float, float]:

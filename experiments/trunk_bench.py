@@ -28,11 +28,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from protocols import compose_config
 from server.sessions.split import train_on_batch
 from server.trunk import Trunk
 from splitlearn.config import to_object
+from splitlearn.models import SplittableModel
 from splitlearn.models.factory import build_model_from_config
 
 #: Each network on the dataset it is meant for (the image size and channels follow).
@@ -42,6 +44,23 @@ CASES: tuple[tuple[str, str], ...] = (
     ("vit", "cifar10"),
 )
 LAYOUTS = ("standard", "channels_last")
+
+Batch = tuple[Tensor, Tensor]
+
+
+def cut_batches(model: SplittableModel, cut: int, batch: int, *, count: int = 8,
+                seed: int = 0) -> list[Batch]:
+    """Return ``count`` batches of what devices send at ``cut``: random inputs, bottom run."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        acts = torch.rand(batch, *model.input_shape, generator=generator)
+        with torch.no_grad():
+            for stage in model.stages[:cut]:
+                acts = stage(acts)
+        batches.append((acts, torch.randint(0, model.num_classes, (batch,),
+                                            generator=generator)))
+    return batches
 
 
 @dataclass(frozen=True)
@@ -71,15 +90,10 @@ def time_layouts(name: str, dataset: str, overrides: Sequence[str], *, steps: in
     cfg = compose_config([f"model={name}", f"dataset={dataset}", *overrides])
     model = build_model_from_config(to_object(cfg.model), to_object(cfg.dataset), seed=cfg.seed)
     cut, batch, options = cfg.model.cut, cfg.strategy.batch_size, cfg.strategy
-    generator = torch.Generator().manual_seed(cfg.seed)
-    acts = torch.rand(batch, *model.input_shape, generator=generator)
-    with torch.no_grad():
-        for stage in model.stages[:cut]:  # what the devices send: the bottom's output
-            acts = stage(acts)
+    [(acts, labels)] = cut_batches(model, cut, batch, count=1, seed=cfg.seed)
     if acts.dim() != 4:
         return (f"{name} cut {cut} on {dataset}: its activations {tuple(acts.shape[1:])} "
                 "are not images; the layout does not apply")
-    labels = torch.randint(0, model.num_classes, (batch,), generator=generator)
     trunks = {layout: Trunk(copy.deepcopy(model), lr=options.lr, momentum=options.momentum,
                             channels_last=layout == "channels_last") for layout in LAYOUTS}
     times: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}

@@ -34,7 +34,6 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from protocols import Protocol, check_config, compose_config, protocol_named, tail_cut_of
-from server.allocator import reuse_freed_memory
 from server.checkpoint import (
     RunCheckpoint,
     load_checkpoint,
@@ -43,7 +42,12 @@ from server.checkpoint import (
     save_checkpoint,
 )
 from server.trunk import Trunk
-from server.workers import TrunkRecipe, TrunkWorkers, server_credentials
+from server.workers import (
+    TrunkRecipe,
+    TrunkWorkers,
+    server_credentials,
+    set_up_trunk_process,
+)
 from splitlearn.aux_head import without_aux
 from splitlearn.calibration import cut_costs, measure_host_flops_per_s
 from splitlearn.config import (
@@ -115,9 +119,7 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resumed = load_checkpoint(run_dir, config=to_container(cfg)) if cfg.resume else None
-    torch.set_num_threads(cfg.dataplane.trunk_threads)
-    if cfg.dataplane.trunk_reuses_memory:
-        reuse_freed_memory()
+    set_up_trunk_process(cfg.dataplane)
     protocol = protocol_named(cfg.strategy.name)
     trunk, handler, tokens, endpoint = build_trunk(cfg)
     service = workers = None

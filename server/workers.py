@@ -174,15 +174,20 @@ class WorkerCommands:
         return dict(self.endpoint.refusals)
 
 
+def set_up_trunk_process(limits: DataPlaneConfig) -> None:
+    """Set up a process that steps a trunk: its intra-op threads and its allocator."""
+    torch.set_num_threads(limits.trunk_threads)
+    if limits.trunk_reuses_memory:
+        reuse_freed_memory()
+
+
 def serve_worker(recipe: TrunkRecipe, port: int, conn: Connection) -> None:
     """Run a worker process: serve the data plane, answer commands until told to stop.
 
     The first message sent is the service's address. The worker also stops when the
     pipe closes (the ServerApp's process died), so no worker outlives its run.
     """
-    torch.set_num_threads(recipe.limits.trunk_threads)
-    if recipe.limits.trunk_reuses_memory:
-        reuse_freed_memory()
+    set_up_trunk_process(recipe.limits)
     trunk, handler, tokens, endpoint = recipe.build()
     limits = recipe.limits
     service = TrunkService(endpoint, host=limits.host, port=port,

@@ -166,7 +166,7 @@ def test_a_trunk_process_reuses_what_its_steps_free_instead_of_faulting_in_fresh
     assert reusing < 10 and default > 2 * reusing, (default, reusing)
 
 
-def test_the_config_turns_the_allocator_off():
+def test_the_allocator_is_a_data_plane_setting_on_by_default():
     assert small_config().dataplane.trunk_reuses_memory is True
     off = small_config("dataplane.trunk_reuses_memory=false")
     assert off.dataplane.trunk_reuses_memory is False
