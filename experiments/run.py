@@ -66,7 +66,8 @@ def launch_simulation(cfg: DictConfig) -> None:
         backend_config = simulation_backend_config(cfg, ray_tmp)
         start_ray(backend_config["init_args"])
         try:
-            with node_indexed_link_state():  # Flower's engine polls every node each tick
+            # Flower's engine polls every node each tick, and only every 0.1 s.
+            with node_indexed_link_state():
                 run_simulation(
                     server_app=build_server_app(cfg),
                     client_app=client_app,

@@ -1,13 +1,17 @@
-"""The node-indexed LinkState answers exactly as Flower's own, without scanning idle nodes."""
+"""The node-indexed LinkState answers exactly as Flower's own, without scanning idle nodes,
+and the engine's loop picks a stored message up without waiting out its tick."""
 
 from __future__ import annotations
 
+import threading
 import time
+from queue import Queue
 
 import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import RUN_ID_NUM_BYTES, SUPERLINK_NODE_ID, TASK_ID_NUM_BYTES
 from flwr.proto.task_pb2 import Task
+from flwr.server.superlink.fleet.vce import vce_api
 from flwr.server.superlink.fleet.vce.vce_api import _register_nodes
 from flwr.server.superlink.linkstate import LinkStateFactory, linkstate_factory
 from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState, RunRecord
@@ -21,7 +25,14 @@ from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.node_index import NodeIndexedLinkState, node_indexed_link_state
+from experiments.node_index import (
+    MIN_SWEEP_GAP_S,
+    NodeIndexedLinkState,
+    WakeOnStore,
+    node_indexed_link_state,
+)
+
+ORIGINAL_LOOP = vce_api.add_messages_to_queue
 
 NODES = 3
 
@@ -142,3 +153,52 @@ def test_a_sweep_over_many_idle_nodes_does_not_scan_the_store(monkeypatch) -> No
     delivered = [m for node in range(2000) for m in indexed.poll(node, 1)]
     assert sorted(delivered) == [(n, n) for n in range(10)]
     assert scans == 10
+
+
+def test_a_stored_message_ends_the_loops_wait_early() -> None:
+    federation = indexed_federation(2)
+    waker = WakeOnStore(threading.Event(), federation.state)
+    threading.Timer(0.05, federation.push, args=(1, 0)).start()
+    started = time.perf_counter()
+    assert waker.wait(5.0) is False  # not stopping
+    assert time.perf_counter() - started < 2.0  # a plain wait takes the whole 5 s
+    assert not federation.state.stored.is_set()  # cleared for the next wait
+
+
+def test_sweeps_keep_the_least_gap_and_a_stop_still_ends_the_wait() -> None:
+    federation = indexed_federation(2)
+    stop = threading.Event()
+    waker = WakeOnStore(stop, federation.state)
+    federation.push(0, 0)  # already stored: the wait still keeps the gap
+    started = time.perf_counter()
+    waker.wait(1.0)
+    assert time.perf_counter() - started >= MIN_SWEEP_GAP_S * 0.9
+    stop.set()
+    started = time.perf_counter()
+    assert waker.wait(5.0) is True and waker.is_set()
+    assert time.perf_counter() - started < 1.0
+
+
+def test_the_engines_own_loop_hands_over_a_message_well_within_its_tick() -> None:
+    """Flower's loop sweeps every 0.1 s: a message stored 10 ms after a sweep waited ~90 ms."""
+    with node_indexed_link_state():
+        federation = Federation(3)
+        mapping = {node_id: i for i, node_id in enumerate(federation.node_ids)}
+        queue: Queue[Message] = Queue()
+        stop = threading.Event()
+        loop = threading.Thread(target=vce_api.add_messages_to_queue,
+                                args=(federation.state, queue, mapping, stop))
+        loop.start()
+    latencies = []
+    try:
+        for tag in range(5):
+            time.sleep(0.01)  # the loop has just swept (it delivered the last message)
+            pushed = time.perf_counter()
+            federation.push(tag % 3, tag)
+            assert int(queue.get(timeout=5).content["tag"]["tag"]) == tag
+            latencies.append(time.perf_counter() - pushed)
+    finally:
+        stop.set()
+        loop.join(5)
+    assert sorted(latencies)[2] < 0.05, latencies
+    assert vce_api.add_messages_to_queue is ORIGINAL_LOOP  # restored after the block
