@@ -30,6 +30,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 from flwr.superlink.grid import InMemoryGrid
 from omegaconf import DictConfig
+from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -60,7 +61,7 @@ from splitlearn.config import (
 )
 from splitlearn.data import held_out_dataset
 from splitlearn.dataplane import TokenRegistry, TrunkEndpoint, TrunkService
-from splitlearn.evaluation import evaluate_model
+from splitlearn.evaluation import evaluate_model, intra_op_threads, usable_cores
 from splitlearn.models import SplittableModel
 from splitlearn.models.factory import source_module
 from splitlearn.planning.clock import VirtualClock, round_time
@@ -363,7 +364,7 @@ class RoundReporter:
             settings=self.runtime.spec.privacy,
         )
         evaluating = time.perf_counter()
-        loss, accuracy, _ = evaluate_model(deployed, self.test_loader)
+        loss, accuracy = self._evaluate(deployed)
         evaluate_s = time.perf_counter() - evaluating
         metrics: dict[str, float] = {}
         outcome = self._outcomes.pop(server_round, None)
@@ -392,6 +393,17 @@ class RoundReporter:
         if server_round and self.after_round is not None:
             self.after_round(server_round, arrays)
         return MetricRecord({"test-accuracy": accuracy, "test-loss": loss})
+
+    def _evaluate(self, deployed: nn.Module) -> tuple[float, float]:
+        # In the trunk's layout (1.6x faster for the SmallCNN alone; `deployed` is the
+        # reporter's own copy), and on every core: between rounds the trunk is idle.
+        channels_last = self.runtime.trunk.channels_last
+        if channels_last:
+            deployed = deployed.to(memory_format=torch.channels_last)
+        with intra_op_threads(usable_cores()):
+            loss, accuracy, _ = evaluate_model(deployed, self.test_loader,
+                                               channels_last=channels_last)
+        return loss, accuracy
 
     def _with_profile(self, row: dict[str, Any]) -> dict[str, Any]:
         fleet = self.runtime.fleet

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from splitlearn.communication import Sizes
+from splitlearn.evaluation import intra_op_threads
 from splitlearn.models import SplittableModel, StageCost
 from splitlearn.models.base import FLOAT32_BYTES, segment_memory_bytes_per_sample
 from splitlearn.models.lean import lean_stage_costs
@@ -364,9 +365,7 @@ def measure_host_flops_per_s(
     bottom, _ = split(copy.deepcopy(model), cut)
     inputs = torch.rand(batch_size, *model.input_shape)
     flops_per_step = client_train_flops_per_sample(model, cut) * batch_size
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         _train_step(bottom, inputs)  # warm-up: allocator, kernels
         step_s: list[float] = []
         started = time.perf_counter()
@@ -374,8 +373,6 @@ def measure_host_flops_per_s(
             begun = time.perf_counter()
             _train_step(bottom, inputs)
             step_s.append(time.perf_counter() - begun)
-    finally:
-        torch.set_num_threads(previous)
     # The median step: a step that another process interrupted does not set the figure.
     return flops_per_step / statistics.median(step_s)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -10,9 +12,22 @@ from torch import nn
 
 @torch.no_grad()
 def evaluate_model(
-    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+    channels_last: bool = False,
 ) -> tuple[float, float, int]:
     """Evaluate a whole model (centralised evaluation).
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model; for ``channels_last``, with its weights already channels-last
+        (``model.to(memory_format=torch.channels_last)``), or the inputs' layout
+        gains nothing.
+    batches : Iterable[tuple[torch.Tensor, torch.Tensor]]
+        Inputs and labels.
+    channels_last : bool, optional
+        Give the model 4-D inputs channels-last (the same numbers in another
+        memory order, which oneDNN's convolutions run faster on).
 
     Returns
     -------
@@ -23,8 +38,28 @@ def evaluate_model(
     examples = correct = 0
     loss_sum = 0.0
     for inputs, labels in batches:
+        if channels_last and inputs.dim() == 4:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
         logits = model(inputs)
         loss_sum += float(nn.functional.cross_entropy(logits, labels, reduction="sum"))
         correct += int((logits.argmax(dim=1) == labels).sum())
         examples += len(labels)
     return loss_sum / max(examples, 1), correct / max(examples, 1), examples
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS keeps one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """Run the block on ``count`` intra-op threads, then restore the process's setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
