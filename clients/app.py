@@ -55,7 +55,7 @@ from clients.steps.executorch import client_step_type
 from protocols import PROTOCOLS, Protocol
 from splitlearn.config import RunSpec, decode_spec
 from splitlearn.data import client_dataset, describe_dataset, local_dataset
-from splitlearn.data.cache import cached_dataset
+from splitlearn.data.cache import PROCESS_DATA, cached_dataset
 from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
 from splitlearn.dataplane.feedback import ReferenceFeedback
 from splitlearn.dataplane.node_keys import (
@@ -223,15 +223,18 @@ class ClientRound:
         return self._released_labels(self._raw_dataset())
 
     def _raw_dataset(self) -> TensorDataset:
-        if self.cache_dir is None:
-            return self._load_dataset()
-        # A fresh process per message (Deployment Engine): load once, read back after.
-        # The files read (own data, or the dataset's local folder) are stamped too.
         key = {"dataset": asdict(self.spec.dataset),
                "path": self.data_path or self.spec.dataset.path}
         if self.data_path is None:
             key |= {"partitioner": asdict(self.spec.partitioner), "seed": self.spec.seed,
                     "partition_id": self.partition_id, "num_partitions": self.num_partitions}
+        if self.cache_dir is None:
+            if self.data_path is not None:  # a device's own files: read as they are now
+                return self._load_dataset()
+            # A warm process serving one simulated device after another keeps their data.
+            return PROCESS_DATA.get(key, self._load_dataset)
+        # A fresh process per message (Deployment Engine): load once, read back after.
+        # The files read (own data, or the dataset's local folder) are stamped too.
         return cached_dataset(self.cache_dir, key, self._load_dataset)
 
     def _load_dataset(self) -> TensorDataset:

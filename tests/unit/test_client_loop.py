@@ -432,3 +432,30 @@ def test_a_rounds_deadline_is_a_positive_number_of_seconds_or_none(sent, deadlin
     from clients.app import _positive_or_none
 
     assert _positive_or_none(sent) == deadline
+
+
+def test_a_warm_process_builds_a_simulated_devices_data_once(monkeypatch):
+    """The Simulation Engine's workers serve device after device: a partition is built once."""
+    import clients.app as client_app
+    from splitlearn.data.cache import ProcessData
+
+    built = []
+    original = client_app.client_dataset
+
+    def counting(*args, **kwargs):  # noqa: ANN202 - the loader's own signature
+        built.append(kwargs["partition_id"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(client_app, "client_dataset", counting)
+    monkeypatch.setattr(client_app, "PROCESS_DATA", ProcessData(max_bytes=2**20))
+
+    def data(partition_id: int, server_round: int) -> TensorDataset:
+        return ClientRound(PROTOCOLS["splitfed_v2"], RunSpec(), server_round=server_round,
+                           cut=1, checkpoint=False, token="", trunk_address="",
+                           partition_id=partition_id, num_partitions=4).dataset()
+
+    rounds = [data(p, r) for r in (1, 2) for p in (1, 2)]
+    assert built == [1, 2]
+    for first, later in ((rounds[0], rounds[2]), (rounds[1], rounds[3])):
+        assert all(torch.equal(a, b) for a, b in zip(first.tensors, later.tensors, strict=True))
+    assert not torch.equal(rounds[0].tensors[0][:5], rounds[1].tensors[0][:5])

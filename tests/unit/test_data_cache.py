@@ -10,7 +10,7 @@ from torch.utils.data import TensorDataset
 
 from splitlearn.config import DatasetConfig, PartitionerConfig
 from splitlearn.data import client_dataset
-from splitlearn.data.cache import cached_dataset
+from splitlearn.data.cache import ProcessData, cached_dataset
 
 
 class Builds:
@@ -82,3 +82,39 @@ def test_a_failing_load_leaves_no_file(tmp_path):
     with pytest.raises(ValueError, match="no parquet"):
         cached_dataset(tmp_path, {"partition_id": 0}, broken)
     assert os.listdir(tmp_path) == []
+
+
+def nbytes(data: TensorDataset) -> int:
+    return sum(t.nbytes for t in data.tensors)
+
+
+def test_a_process_keeps_a_partition_and_hands_out_copies():
+    kept = ProcessData(max_bytes=2**20)
+    build = Builds(digits_partition(3))
+    key = {"dataset": "digits", "partition_id": 3}
+    first = kept.get(key, build)
+    first.tensors[0].fill_(7.0)  # a round that changed its copy
+    again = kept.get(dict(reversed(key.items())), build)  # the same key in another order
+    assert build.count == 1 and same(again, build.data)
+    assert kept.get({"dataset": "digits", "partition_id": 4}, Builds(digits_partition(4)))
+    assert len(kept) == 2 and kept.bytes == nbytes(build.data) + nbytes(digits_partition(4))
+
+
+def test_the_least_recently_used_partition_leaves_first_and_the_bound_holds():
+    parts = {i: Builds(digits_partition(i)) for i in range(3)}
+    size = nbytes(parts[0].data)
+    kept = ProcessData(max_bytes=2 * size + size // 2)  # room for two partitions
+    for i in (0, 1, 0, 2):  # 1 is then the least recently used
+        kept.get({"partition_id": i}, parts[i])
+    assert kept.bytes <= kept.max_bytes and len(kept) == 2
+    kept.get({"partition_id": 0}, parts[0])
+    kept.get({"partition_id": 1}, parts[1])
+    assert [parts[i].count for i in range(3)] == [1, 2, 1]
+
+
+def test_data_larger_than_the_bound_is_built_every_time():
+    build = Builds(digits_partition(0))
+    kept = ProcessData(max_bytes=nbytes(build.data) - 1)
+    for _ in range(2):
+        assert same(kept.get({"partition_id": 0}, build), build.data)
+    assert build.count == 2 and len(kept) == 0 and kept.bytes == 0
