@@ -120,23 +120,27 @@ class ProcessData:
             if tensors is not None:
                 self._kept.move_to_end(name)
         if tensors is None:
-            tensors = tuple(build().tensors)
-            self._keep(name, tensors)
+            data = build()
+            tensors = tuple(data.tensors)
+            if not self._keep(name, tensors):
+                return data  # not kept: nobody else holds it, no copy needed
         # Copies: a round may change its batches' tensors, never the next round's data.
         return TensorDataset(*(t.clone() for t in tensors))
 
-    def _keep(self, name: str, tensors: tuple[torch.Tensor, ...]) -> None:
+    def _keep(self, name: str, tensors: tuple[torch.Tensor, ...]) -> bool:
+        """Keep ``tensors`` under ``name`` within the bound; return whether they are kept."""
         size = sum(t.nbytes for t in tensors)
         if size > self.max_bytes:
-            return
+            return False
         with self._lock:
-            if name in self._kept:  # built meanwhile by another thread
-                return
+            if name in self._kept:  # built meanwhile by another thread: keep theirs
+                return False
             while self._kept and self.bytes + size > self.max_bytes:
                 _, dropped = self._kept.popitem(last=False)
                 self.bytes -= sum(t.nbytes for t in dropped)
             self._kept[name] = tensors
             self.bytes += size
+        return True
 
     def __len__(self) -> int:
         return len(self._kept)

@@ -16,9 +16,11 @@ import threading
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from experiments.bench import parse_arguments
 from experiments.handoff_bench import MODES, time_handoffs
+from server import workers
 from server.app import build_trunk, trunk_recipe
 from server.cores import StickyCore, _sched_getcpu
 from server.sessions.split import train_on_batch
@@ -166,7 +168,16 @@ def test_a_trunk_process_reuses_what_its_steps_free_instead_of_faulting_in_fresh
     assert reusing < 10 and default > 2 * reusing, (default, reusing)
 
 
-def test_the_allocator_is_a_data_plane_setting_on_by_default():
-    assert small_config().dataplane.trunk_reuses_memory is True
-    off = small_config("dataplane.trunk_reuses_memory=false")
-    assert off.dataplane.trunk_reuses_memory is False
+def test_a_trunk_process_is_set_up_as_its_data_plane_settings_say(monkeypatch):
+    """Threads and allocator, in the ServerApp's process and each worker's (on by default)."""
+    calls = []
+    monkeypatch.setattr(workers, "reuse_freed_memory", lambda: calls.append("reuse") or True)
+    threads = torch.get_num_threads()
+    try:
+        workers.set_up_trunk_process(small_config("dataplane.trunk_threads=2").dataplane)
+        assert calls == ["reuse"] and torch.get_num_threads() == 2
+        workers.set_up_trunk_process(
+            small_config("dataplane.trunk_reuses_memory=false").dataplane)
+        assert calls == ["reuse"] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
