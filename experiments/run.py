@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +104,15 @@ def start_ray(init_args: dict[str, Any], *, attempts: int = 3) -> None:
     os.environ["PYTHONPATH"] = pythonpath
     for attempt in range(1, attempts + 1):
         try:
-            ray.init(
-                runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
-                include_dashboard=False,
-                **init_args,
-            )
+            with warnings.catch_warnings():
+                # A tip about GPUs in a later Ray; the ClientApps' actors ask for none.
+                warnings.filterwarnings("ignore", "Tip: In future versions of Ray",
+                                        FutureWarning)
+                ray.init(
+                    runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+                    include_dashboard=False,
+                    **init_args,
+                )
             return
         except Exception as err:  # Ray raises plain Exception on start-up timeouts
             log.warning("Ray did not start (attempt %d of %d): %s", attempt, attempts, err)
@@ -131,6 +136,8 @@ def main(cfg: DictConfig) -> float | None:
     # Flower logs through its own handler; without this every line shows twice
     # (once more through the root handler Hydra installs).
     logging.getLogger("flwr").propagate = False
+    # Flower's link state imports alembic, whose plugins announce themselves at INFO.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     check_config(cfg)  # before Ray and the trunk start: a bad key fails in a second
     launch_simulation(cfg)
     metrics = Path(cfg.run_dir) / "metrics.json"

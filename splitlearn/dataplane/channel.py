@@ -37,6 +37,8 @@ DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 DEFAULT_WINDOW = 32
 #: How often a stream's watchdog looks for an overdue reply (its deadline's precision).
 WATCHDOG_PERIOD_S = 0.05
+#: Seconds a closing device waits for the trunk to end the stream after its half-close.
+CLOSE_TIMEOUT_S = 2.0
 #: Times a one-way batch refused as stale is sent again (each after the references restart).
 MAX_STALE_RESENDS = 2
 _END = object()
@@ -173,9 +175,24 @@ class GrpcTransport:
         raise self._failure
 
     def close(self) -> None:
-        """Half-close the stream and release the channel."""
-        self._done.set()
+        """Half-close the stream, let the trunk end it, and release the channel.
+
+        Closing the channel straight away would cancel the stream before the trunk saw
+        the half-close: to the trunk, a device that vanished. So the trunk ends it
+        first (replies nobody waits for, such as local loss's acks, are dropped); one
+        that does not within :data:`CLOSE_TIMEOUT_S` is cut off by the watchdog.
+        """
         self._requests.put(_END)
+        if self._failure is None:
+            self._deadline = time.monotonic() + CLOSE_TIMEOUT_S
+            try:
+                for _ in self._call:
+                    pass
+            except grpc.RpcError:
+                pass  # cut off (the watchdog, or the trunk went): released either way
+            finally:
+                self._deadline = None
+        self._done.set()
         self._channel.close()
 
     def abort(self) -> None:

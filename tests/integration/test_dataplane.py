@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -177,6 +179,27 @@ def test_client_vanishing_mid_round_leaves_trunk_serving(trunk_server_factory):
     other.close()
     assert report.steps == 5 and server.trunk.steps == 8
     assert all(torch.isfinite(p).all() for p in server.model.parameters())
+
+
+def test_a_closing_device_ends_its_stream_cleanly_and_a_vanishing_one_is_told_apart(
+        trunk_server_factory, caplog):
+    """The trunk logs a stream that ended abruptly only for a device that vanished."""
+    caplog.set_level(logging.INFO, logger="splitlearn.dataplane.service")
+    reference = digits_like_model("cnn")
+    server = trunk_server_factory(reference, lr=LR)
+    for client, end in (("leaving", "close"), ("gone", "abort")):
+        channel = open_channel(server, 2, "grpc", client=client)
+        train_split_client(copy.deepcopy(reference), 2, fixed_batches(2), channel, lr=LR)
+        getattr(channel, end)()
+
+    def abrupt() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "ended abruptly" in r.getMessage()]
+
+    deadline = time.monotonic() + 10
+    while not abrupt() and time.monotonic() < deadline:  # the trunk notices the cancel
+        time.sleep(0.01)
+    assert abrupt() == ["data plane: a stream of client gone ended abruptly"]
+    assert server.trunk.steps == 4
 
 
 NATIVE_CLIENT = """

@@ -35,6 +35,7 @@ def run_experiment(tmp_path: Path, *overrides: str) -> Path:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "[round   2/" in proc.stdout  # progress is shown per round
+    (tmp_path / "console.txt").write_text(proc.stdout + proc.stderr)  # beside the run folder
     return run_dir
 
 
@@ -102,6 +103,12 @@ def test_a_users_own_module_trains_two_rounds_and_leaves_a_complete_run_folder(t
         assert (run_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     offline = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(offline) == 1 and offline[0].stat().st_size > 0
+    # What the user saw: devices that ended their streams cleanly (no "ended abruptly",
+    # the trunk's word for a device that vanished), and no start-up chatter of Ray's
+    # or of alembic's (Flower's link state imports it).
+    console = (tmp_path / "console.txt").read_text()
+    for noise in ("ended abruptly", "alembic", "Tip: In future versions of Ray"):
+        assert noise not in console, noise
 
 
 def test_clients_vanishing_mid_round_are_left_out_of_the_round(tmp_path):
