@@ -14,7 +14,19 @@ import numpy as np
 import torch
 from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server import ServerConfig
-from peer_job import ADDRESS, CLIENTS, CUT, JOB, LR, MOMENTUM, ROUNDS, SmallCNN, arrays, load
+from peer_job import (
+    ADDRESS,
+    CLIENTS,
+    CUT,
+    EPOCHS,
+    JOB,
+    LR,
+    MOMENTUM,
+    ROUNDS,
+    SmallCNN,
+    arrays,
+    load,
+)
 from slwr.server.app import start_server
 from slwr.server.server_model.numpy_server_model import NumPyServerModel
 from slwr.server.server_model.utils import pytorch_format
@@ -107,7 +119,7 @@ def main() -> None:
     start_server(server_address=ADDRESS, strategy=strategy,
                  config=ServerConfig(num_rounds=ROUNDS))
     steady = float(np.median(np.diff(strategy.ends[1:])))  # rounds 2.. (ends[0]: round 0)
-    samples = sum(len(labels) for _, labels in JOB["parts"]) * 2  # 2 local epochs
+    samples = sum(len(labels) for _, labels in JOB["parts"]) * EPOCHS
     print(json.dumps({"peer_seconds_per_round": steady, "samples_per_s": samples / steady,
                       "final_accuracy": strategy.accuracy[-1]}))
 

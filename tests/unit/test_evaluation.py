@@ -23,7 +23,7 @@ def test_channels_last_evaluation_equals_the_standard_one(name: str, channels: i
     converted = copy.deepcopy(model).to(memory_format=torch.channels_last)
     assert converted.stages[0][0].weight.is_contiguous(memory_format=torch.channels_last)
     cl_loss, cl_accuracy, cl_examples = evaluate_model(converted, batches, channels_last=True)
-    assert (cl_accuracy, cl_examples) == (accuracy, examples) == (cl_accuracy, 120)
+    assert (cl_accuracy, cl_examples) == (accuracy, examples) and examples == 120
     assert cl_loss == pytest.approx(loss, rel=1e-5)
 
 

@@ -25,6 +25,7 @@ from server.app import build_trunk, trunk_recipe
 from server.cores import StickyCore, _sched_getcpu
 from server.sessions.split import train_on_batch
 from server.trunk import Trunk
+from splitlearn.evaluation import intra_op_threads
 from tests.conftest import digits_like_model, small_config
 from tests.unit.test_trunk import activations
 
@@ -172,12 +173,9 @@ def test_a_trunk_process_is_set_up_as_its_data_plane_settings_say(monkeypatch):
     """Threads and allocator, in the ServerApp's process and each worker's (on by default)."""
     calls = []
     monkeypatch.setattr(workers, "reuse_freed_memory", lambda: calls.append("reuse") or True)
-    threads = torch.get_num_threads()
-    try:
+    with intra_op_threads(torch.get_num_threads()):  # this process's setting, restored
         workers.set_up_trunk_process(small_config("dataplane.trunk_threads=2").dataplane)
         assert calls == ["reuse"] and torch.get_num_threads() == 2
         workers.set_up_trunk_process(
             small_config("dataplane.trunk_reuses_memory=false").dataplane)
         assert calls == ["reuse"] and torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(threads)
