@@ -99,14 +99,20 @@ class TrunkService:
         except SessionRefused as refused:
             context.abort(getattr(grpc.StatusCode, refused.code), str(refused))
         peer = context.peer()
+        half_closed = False
         try:
             for data in requests:
                 yield self.endpoint.handle(session, data, peer=peer)
+            half_closed = True
         except grpc.RpcError:
-            # The client vanished or the stream was closed (revoked, idle). Every trunk
-            # step is atomic, so there is nothing to undo.
-            log.info("data plane: a stream of client %s ended abruptly", session.grant.client)
+            pass  # the client vanished or the stream was closed (revoked, idle)
         finally:
+            # A cancel shows up as an RpcError only while this generator waits for a request;
+            # one that lands while a reply is being sent makes gRPC drop the generator
+            # (GeneratorExit), so only a half-close counts as a clean end. Every trunk step
+            # is atomic: an abrupt end has nothing to undo.
+            if not half_closed:
+                log.info("data plane: a stream of client %s ended abruptly", session.grant.client)
             self.endpoint.detach(session, stream)
 
     def _watch(self) -> None:

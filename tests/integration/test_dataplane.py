@@ -202,6 +202,45 @@ def test_a_closing_device_ends_its_stream_cleanly_and_a_vanishing_one_is_told_ap
     assert server.trunk.steps == 4
 
 
+
+class _CancelledMidReply:
+    """What the service sees of a stream gRPC drops while a reply is being sent.
+
+    gRPC then stops resuming the handler's generator and closes it, so the handler never
+    sees an ``RpcError``. A real stream gets there only by a race (the cancel has to land
+    between the reply and the next read); this stand-in for the servicer context reaches
+    that state every time.
+    """
+
+    def __init__(self, token: str) -> None:
+        self.metadata = (("x-splitlearn-token", token),)
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_stream_dropped_while_a_reply_is_sent_is_logged_as_abrupt_and_detached(
+        trunk_server_factory, caplog):
+    caplog.set_level(logging.INFO, logger="splitlearn.dataplane.service")
+    reference = digits_like_model("cnn")
+    server = trunk_server_factory(reference, lr=LR)
+    x, y = fixed_batches(1, batch=4)[0]
+    acts = split(copy.deepcopy(reference), 1)[0](x).detach()
+    replies = server.service._exchange(
+        iter([forward_request(acts, y, 1)]), _CancelledMidReply(server.token(1, client="mid")))
+    assert pb.Reply.FromString(next(replies)).WhichOneof("kind") == "gradient"
+    assert server.endpoint.open_sessions == 1
+    replies.close()  # what gRPC does with a generator whose stream is gone
+    assert [r.getMessage() for r in caplog.records if "ended abruptly" in r.getMessage()] == [
+        "data plane: a stream of client mid ended abruptly"]
+    assert server.endpoint.open_sessions == 0 and server.trunk.steps == 1
+
 NATIVE_CLIENT = """
 import json, sys
 import grpc, numpy as np
