@@ -390,11 +390,16 @@ def _keep_feedback(context: Context, channel: TrunkChannel, *, cut: int) -> None
     """Keep the channel's error-feedback rows, and the cut they are at, for the next round.
 
     Also after a failed round: the version tells the trunk whether they are still its own.
+    Not rows that moved for a frame the trunk never acknowledged: should this device later
+    start from older rows (a round whose state was lost), they could reach the trunk's
+    version by another path and pass for its rows. Then the next round starts from zero.
     """
     for key, memory in ((FEEDBACK_STATE_KEY, channel.feedback),
                         (FEATURE_FEEDBACK_STATE_KEY, channel.feature_feedback)):
-        if memory is not None:
+        if memory is not None and channel.feedback_settled:
             context.state[key] = state_to_record(memory.state() | {"cut": torch.tensor(cut)})
+        elif key in context.state:
+            del context.state[key]
 
 
 def _load_accountant(context: Context) -> PrivacyAccountant:

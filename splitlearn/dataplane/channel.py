@@ -338,11 +338,24 @@ class TrunkChannel:
         self._unacked: deque[_InFlight | None] = deque()
         #: Restarts of the references (a batch encoded before the last one is stale anyway).
         self._generation = 0
+        #: Moves of the current references the trunk has not acknowledged (local loss).
+        self._unconfirmed_moves = 0
 
     @property
     def in_flight(self) -> int:
         """One-way requests sent and not yet acknowledged."""
         return len(self._unacked)
+
+    @property
+    def feedback_settled(self) -> bool:
+        """Whether the trunk acknowledged every move of the references this device holds.
+
+        Local loss moves them as a frame is sent; one the trunk never acknowledged (lost with
+        the link, or refused) leaves them at a version the trunk may reach later by another
+        batch. Kept for a later round they could then pass for the trunk's, so a device
+        keeps only settled references (the trunk's version tells it the rest).
+        """
+        return self._unconfirmed_moves == 0
 
     @property
     def restarts(self) -> int:
@@ -433,6 +446,7 @@ class TrunkChannel:
     def _restart_references(self) -> None:
         """Zero the references this device shares with the trunk (its next batch: version 0)."""
         self._generation += 1
+        self._unconfirmed_moves = 0
         if self.feedback is not None:
             self.feedback = ReferenceFeedback(max_bytes=self._feedback_max_bytes)
         if self.feature_feedback is not None:
@@ -579,6 +593,7 @@ class TrunkChannel:
                    example_ids=encode_tensor(batch.ids), feedback_version=feedback.version,
                    feedback_lineage=feedback.lineage)
         feedback.commit(batch.ids, agreed)  # the trunk's move as it queues the batch
+        self._unconfirmed_moves += 1
         self._unacked.append(replace(batch, generation=self._generation))
 
     def flush(self) -> None:
@@ -606,6 +621,8 @@ class TrunkChannel:
             self._send_difference(replace(batch, resends=batch.resends + 1))
             return
         current = batch is not None and batch.generation == self._generation
+        if current:
+            self._unconfirmed_moves -= 1
         if reply.ack.feedback_dropped and current:  # as in _forward_difference
             self._restart_references()
 

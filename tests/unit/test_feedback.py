@@ -323,6 +323,35 @@ def test_a_device_keeps_its_references_for_the_next_round_at_the_same_cut_only(
     assert server.handler.feedback["c0"].uplink.version == 1
 
 
+
+def test_a_device_does_not_keep_references_moved_for_a_frame_never_acknowledged(
+        trunk_server_factory):
+    """Local loss: a round whose last frame was lost with the link leaves nothing kept (the
+    next round starts from zero) and replaces what an earlier round kept; a round whose
+    frames were all acknowledged keeps its references at their version."""
+    from flwr.app import Context, RecordDict
+
+    from clients.app import FEEDBACK_STATE_KEY, _keep_feedback, _restore_feedback
+
+    server = local_loss_server(trunk_server_factory)
+    spec = RunSpec(compression=TOPK)
+    node = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    settled = server.local_channel(server.token(CUT), compression=TOPK)
+    stream(settled, [[0, 1], [2, 3]])
+    assert settled.feedback_settled
+    _keep_feedback(node, settled, cut=CUT)
+    assert FEEDBACK_STATE_KEY in node.state
+    lost = server.local_channel(server.token(CUT, server_round=2), compression=TOPK)
+    _restore_feedback(node, lost, spec, cut=CUT)
+    assert lost.feedback.version == 2
+    assert not stream_until_vanished(lost, [[0, 1], [2, 3]], vanish=1, seed=5)
+    assert not lost.feedback_settled and lost.feedback.version == 4
+    _keep_feedback(node, lost, cut=CUT)
+    assert FEEDBACK_STATE_KEY not in node.state
+    fresh = server.local_channel(server.token(CUT, server_round=3), compression=TOPK)
+    assert _restore_feedback(node, fresh, spec, cut=CUT) == 0
+    assert fresh.feedback.version == 0 and fresh.feedback.lineage != lost.feedback.lineage
+
 def test_references_survive_the_devices_context_and_a_smaller_bound_starts_over():
     feedback = ReferenceFeedback(max_bytes=MAX)
     ids = torch.tensor([4, 1, 7])
@@ -673,6 +702,10 @@ ROUNDS = st.lists(st.builds(
 # at version 1 again, then back to the state kept before: only the lineage tells them apart.
 @example([Round(None, False, 1, [[0]], 1), Round(None, False, 1, [[0]], 0),
           Round(0, False, 1, [[0]], 0)])
+# A fork: back to round 1's state, whose next frame is lost on the way, then on from there:
+# kept, those references would reach the trunk's version by another batch than the trunk's.
+@example([Round(None, False, 1, [[0]], 0), Round(None, False, 1, [[0]], 0),
+          Round(0, False, 1, [[0]], 1), Round(None, False, 1, [[0]], 0)])
 def test_local_loss_frames_in_flight_never_leave_the_two_sides_apart(rounds):
     """Rounds of frames in flight, each started from any state the device kept (an older one
     models a round whose state was lost), the trunk sometimes having dropped the client, and
@@ -701,15 +734,19 @@ def test_local_loss_frames_in_flight_never_leave_the_two_sides_apart(rounds):
         return submit(batch)
 
     handler._submit = submitting
-    kept: list[dict] = []  # the device's state after each round (kept even if it vanished)
+    # The device's state after each round, kept even if it vanished, as the ClientApp
+    # keeps it: None where its references had moves the trunk never acknowledged.
+    kept: list[dict | None] = []
     with mock.patch.object(ReferenceFeedback, "encode", encoding):
         for server_round, spec in enumerate(rounds, start=1):
             token = tokens.issue(client="c0", protocol=protocol.name, cut=CUT,
                                  server_round=server_round, ttl_s=60)
             channel = TrunkChannel(InProcessTransport(endpoint, token), compression=TOPK,
                                    window=spec.window)
+            state = None
             if kept:
                 state = kept[-1] if spec.start is None else kept[spec.start % len(kept)]
+            if state is not None:
                 channel.feedback = ReferenceFeedback.from_state(state, max_bytes=MAX)
             if spec.dropped:
                 handler.feedback.release("c0")
@@ -721,7 +758,7 @@ def test_local_loss_frames_in_flight_never_leave_the_two_sides_apart(rounds):
             if finished:
                 assert moved == len(spec.batches)
                 assert_same_references(handler.feedback, channel)
-            kept.append(channel.feedback.state())
+            kept.append(channel.feedback.state() if channel.feedback_settled else None)
             channel.close()
     assert handler.errors == 0
     for agreed, queued in frames:
