@@ -120,3 +120,22 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     folders = sorted(p.name for p in (tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(folders) == 2
     assert {name.rsplit("-", 1)[1] for name in folders} == {saved.sinks["wandb_id"]}
+
+
+def test_a_resumed_run_with_error_feedback_starts_its_references_over_in_step(tmp_path):
+    """Error feedback's references are not in the checkpoint: the devices' copies live in
+    their Flower context, which a new run starts empty. So the resumed run starts them over
+    on both sides, in step, and carries them again from the round after."""
+    cfg = small_config("strategy.local_epochs=1", f"strategy.num_rounds={ROUNDS}",
+                       "compression=topk_feedback", run_dir=str(tmp_path / "run"))
+    _, result = crash_then_resume(cfg, crash_at=3)
+    assert [r["round"] for r in result.history] == list(range(ROUNDS + 1))
+    assert all(torch.isfinite(p).all() for p in result.model.parameters())
+    rows = [r for r in read_clients(Path(cfg.run_dir)) if r["status"] == "ok"]
+    carried = {n: [int(r["feedback_carried"]) for r in rows if int(r["round"]) == n]
+               for n in range(1, ROUNDS + 1)}
+    assert carried[1] == [0] * cfg.num_clients  # the run's first round
+    assert min(carried[2]) > 0  # before the crash, carried in from round 1
+    assert carried[3] == [0] * cfg.num_clients  # the resumed run's first round
+    assert min(carried[4]) > 0  # carried in again
+    assert {r["feedback_restarts"] for r in rows} == {"0"}  # device and trunk never disagreed
