@@ -889,3 +889,114 @@ def test_any_ids_and_version_get_an_answer_or_a_reasoned_refusal(ids, dtype, ver
     assert progress() == int(fine)
     if not fine:
         assert reply.refusal.reason != pb.Refusal.INTERNAL, reply.refusal.detail
+
+
+@dataclass(frozen=True)
+class UShapedRound:
+    """One U-shaped round with error feedback both ways (see below)."""
+
+    start: int | None  # the kept state it starts from: None, the latest; else an older one
+    dropped: bool  # the trunk dropped the client's memory before the round
+    batches: list[list[int]]  # each batch's example ids
+    loss: int  # 0: finished; 1: the last forward's reply is lost; 2: no backward after it
+
+
+USHAPED_ROUNDS = st.lists(st.builds(
+    UShapedRound, st.one_of(st.none(), st.integers(0, 5)), st.booleans(),
+    st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True),
+             min_size=1, max_size=4),
+    st.integers(0, 2)), min_size=1, max_size=4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(USHAPED_ROUNDS)
+# Back to round 1's state while the trunk moved on in round 2, whose last reply was lost.
+@example([UShapedRound(None, False, [[0]], 0), UShapedRound(None, False, [[0]], 1),
+          UShapedRound(0, False, [[0], [1]], 0)])
+# Two starts at one version: the trunk dropped the client, so the device restarted (and the
+# trunk with it), then lost a reply; the trunk is at version 2 as round 1 left the device,
+# and back on round 1's state only the lineage tells them apart.
+@example([UShapedRound(None, False, [[0], [1]], 0), UShapedRound(None, True, [[0], [1]], 1),
+          UShapedRound(0, False, [[0]], 0)])
+def test_ushaped_lost_replies_and_older_states_never_leave_the_two_sides_apart(rounds):
+    """The ClientApp's keep and restore of both references (activations', features'), any
+    kept state to start from, the trunk sometimes having dropped the client, and rounds
+    ending with a reply lost (the trunk moved its references, the device did not) or with
+    no backward: every forward the device finishes trains on the activations and features
+    the trunk holds for its ids, and after every round it finishes both sides hold the same
+    references at the same version."""
+    from flwr.app import Context, RecordDict
+
+    from clients.app import _keep_feedback, _restore_feedback
+    from splitlearn.dataplane.channel import InProcessTransport, TrunkChannel
+
+    compression = CompressionConfig(uplink="topk", downlink="topk", topk_fraction=0.1,
+                                    error_feedback=True)
+    protocol = protocol_named("ushaped")
+    handler = protocol.trunk(Trunk(digits_like_model(), lr=0.1), UShapedOptions(),
+                             limits(compression))
+    tokens = TokenRegistry()
+    endpoint = TrunkEndpoint({protocol.name: handler}, tokens, limits=limits(compression))
+    spec = RunSpec(compression=compression)
+    node = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    kept: list[dict] = []  # the node's records after each round
+    for server_round, step in enumerate(rounds, start=1):
+        if kept:
+            records = kept[-1] if step.start is None else kept[step.start % len(kept)]
+            node.state = RecordDict(dict(records))
+        if step.dropped:
+            handler.feedback.release("c0")
+        token = tokens.issue(client="c0", protocol=protocol.name, cut=CUT,
+                             server_round=server_round, ttl_s=60)
+        channel = TrunkChannel(InProcessTransport(endpoint, token), compression=compression)
+        _restore_feedback(node, channel, spec, cut=CUT)
+        finished = ushaped_round(channel, handler, step, seed=10 * server_round)
+        _keep_feedback(node, channel, cut=CUT)
+        kept.append(dict(node.state))
+        channel.close()
+        if finished:
+            memory = handler.feedback["c0"]
+            every = torch.arange(8)
+            for trunk_side, device_side, shape in (
+                    (memory.uplink, channel.feedback, (32, 8, 8)),
+                    (memory.features, channel.feature_feedback, (128,))):
+                assert trunk_side.version == device_side.version
+                assert torch.equal(trunk_side.references.rows(every, shape),
+                                   device_side.references.rows(every, shape))
+    assert handler.pending_sessions == 0
+
+
+def ushaped_round(channel, handler, step: UShapedRound, *, seed: int) -> bool:
+    """Run ``step``'s batches; return whether the device finished the round."""
+    for n, ids in enumerate(step.batches):
+        last = n == len(step.batches) - 1
+        acts, labels, example_ids = batch(seed + n, ids)
+        if last and step.loss == 1:
+            lose_next_reply(channel)
+            with pytest.raises(TrunkRejected):
+                channel.forward_features(acts, example_ids=example_ids)
+            return False
+        features = channel.forward_features(acts, example_ids=example_ids)
+        memory = handler.feedback["c0"]  # what the trunk trained on, and sent
+        assert torch.equal(channel.feedback.references.rows(example_ids, (32, 8, 8)),
+                           memory.uplink.references.rows(example_ids, (32, 8, 8)))
+        assert torch.equal(features, memory.features.references.rows(example_ids, (128,)))
+        if last and step.loss == 2:
+            return False
+        features.requires_grad_(True)
+        nn.functional.cross_entropy(nn.functional.linear(features, torch.ones(10, 128)),
+                                    labels).backward()
+        channel.backward(features.grad)
+    return True
+
+
+def lose_next_reply(channel) -> None:
+    """The next frame reaches the trunk, and its reply never reaches the device."""
+    transport = channel.transport
+    receive = transport.receive
+
+    def lost(timeout_s: float) -> bytes:
+        receive(timeout_s)
+        raise TrunkRejected("no reply within the timeout")
+
+    transport.receive = lost
