@@ -103,14 +103,16 @@ class TrunkService:
         try:
             for data in requests:
                 yield self.endpoint.handle(session, data, peer=peer)
-            half_closed = True
+            # The requests also run out on a cancel that gRPC had not marked when it read
+            # the stream's end; one marked since shows here. (Some cancels still pass for a
+            # half-close: gRPC's sync API does not tell them apart.)
+            half_closed = context.is_active()
         except grpc.RpcError:
             pass  # the client vanished or the stream was closed (revoked, idle)
         finally:
-            # A cancel shows up as an RpcError only while this generator waits for a request;
-            # one that lands while a reply is being sent makes gRPC drop the generator
-            # (GeneratorExit), so only a half-close counts as a clean end. Every trunk step
-            # is atomic: an abrupt end has nothing to undo.
+            # A cancel while a reply is being sent makes gRPC close this generator
+            # (GeneratorExit) without an RpcError, so only a half-close counts as a clean
+            # end. Every trunk step is atomic: an abrupt end has nothing to undo.
             if not half_closed:
                 log.info("data plane: a stream of client %s ended abruptly", session.grant.client)
             self.endpoint.detach(session, stream)

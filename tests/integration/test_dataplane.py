@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 
@@ -181,9 +182,15 @@ def test_client_vanishing_mid_round_leaves_trunk_serving(trunk_server_factory):
     assert all(torch.isfinite(p).all() for p in server.model.parameters())
 
 
-def test_a_closing_device_ends_its_stream_cleanly_and_a_vanishing_one_is_told_apart(
+def abrupt_ends(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "ended abruptly" in r.getMessage()]
+
+
+def test_a_closing_device_is_not_logged_as_vanished_and_a_vanishing_one_is_detached(
         trunk_server_factory, caplog):
-    """The trunk logs a stream that ended abruptly only for a device that vanished."""
+    """Over gRPC: the device that closes ends its stream cleanly; the one that aborts is
+    detached, and logged as ended abruptly unless gRPC let its cancel look like a half-close
+    (the ways a stream ends, each reached every time, are the next test's)."""
     caplog.set_level(logging.INFO, logger="splitlearn.dataplane.service")
     reference = digits_like_model("cnn")
     server = trunk_server_factory(reference, lr=LR)
@@ -191,29 +198,26 @@ def test_a_closing_device_ends_its_stream_cleanly_and_a_vanishing_one_is_told_ap
         channel = open_channel(server, 2, "grpc", client=client)
         train_split_client(copy.deepcopy(reference), 2, fixed_batches(2), channel, lr=LR)
         getattr(channel, end)()
-
-    def abrupt() -> list[str]:
-        return [r.getMessage() for r in caplog.records if "ended abruptly" in r.getMessage()]
-
+        if end == "close":  # close returns once the trunk ended the stream
+            assert server.endpoint.open_sessions == 0 and abrupt_ends(caplog) == []
     deadline = time.monotonic() + 10
-    while not abrupt() and time.monotonic() < deadline:  # the trunk notices the cancel
-        time.sleep(0.01)
-    assert abrupt() == ["data plane: a stream of client gone ended abruptly"]
+    while server.endpoint.open_sessions and time.monotonic() < deadline:
+        time.sleep(0.01)  # the trunk notices the cancel
+    assert server.endpoint.open_sessions == 0
+    assert abrupt_ends(caplog) in ([], ["data plane: a stream of client gone ended abruptly"])
     assert server.trunk.steps == 4
 
 
+class _Stream:
+    """The service's view of one stream, for a way it can end that gRPC reaches by a race.
 
-class _CancelledMidReply:
-    """What the service sees of a stream gRPC drops while a reply is being sent.
-
-    gRPC then stops resuming the handler's generator and closes it, so the handler never
-    sees an ``RpcError``. A real stream gets there only by a race (the cancel has to land
-    between the reply and the next read); this stand-in for the servicer context reaches
-    that state every time.
+    A stand-in for the servicer context (metadata, peer, and whether gRPC still holds the
+    call active) and for the request iterator.
     """
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, requests: list[bytes], *, ends: str) -> None:
         self.metadata = (("x-splitlearn-token", token),)
+        self.requests, self.ends = requests, ends
 
     def invocation_metadata(self):
         return self.metadata
@@ -224,22 +228,44 @@ class _CancelledMidReply:
     def cancel(self) -> None:
         pass
 
+    def is_active(self) -> bool:
+        return self.ends != "cancel marked as the requests ran out"
 
-def test_a_stream_dropped_while_a_reply_is_sent_is_logged_as_abrupt_and_detached(
-        trunk_server_factory, caplog):
+    def __iter__(self):
+        yield from self.requests
+        if self.ends == "cancel raised while reading":
+            raise grpc.RpcError()
+
+
+@pytest.mark.parametrize("ends,abrupt", [
+    ("half-close", False),
+    # gRPC ends the request iterator on a cancel too when it reads the end of the stream
+    # before it marks the call cancelled; it is marked by the time the handler looks.
+    ("cancel marked as the requests ran out", True),
+    ("cancel raised while reading", True),
+    # A cancel while a reply is being sent: gRPC stops resuming the handler's generator
+    # and closes it, without an RpcError.
+    ("cancel while a reply is sent", True),
+])
+def test_every_way_a_stream_ends_detaches_it_and_only_a_half_close_is_clean(
+        trunk_server_factory, caplog, ends, abrupt):
     caplog.set_level(logging.INFO, logger="splitlearn.dataplane.service")
     reference = digits_like_model("cnn")
     server = trunk_server_factory(reference, lr=LR)
     x, y = fixed_batches(1, batch=4)[0]
     acts = split(copy.deepcopy(reference), 1)[0](x).detach()
-    replies = server.service._exchange(
-        iter([forward_request(acts, y, 1)]), _CancelledMidReply(server.token(1, client="mid")))
+    stream = _Stream(server.token(1, client="c"), [forward_request(acts, y, 1)], ends=ends)
+    replies = server.service._exchange(iter(stream), stream)
     assert pb.Reply.FromString(next(replies)).WhichOneof("kind") == "gradient"
     assert server.endpoint.open_sessions == 1
-    replies.close()  # what gRPC does with a generator whose stream is gone
-    assert [r.getMessage() for r in caplog.records if "ended abruptly" in r.getMessage()] == [
-        "data plane: a stream of client mid ended abruptly"]
+    if ends == "cancel while a reply is sent":
+        replies.close()
+    else:
+        assert list(replies) == []
+    assert abrupt_ends(caplog) == (
+        ["data plane: a stream of client c ended abruptly"] if abrupt else [])
     assert server.endpoint.open_sessions == 0 and server.trunk.steps == 1
+
 
 NATIVE_CLIENT = """
 import json, sys
