@@ -73,11 +73,15 @@ def start_trunk_server(
     lr: float = 0.1,
     limits: DataPlaneConfig | None = None,
     handler: Callable[[Trunk, DataPlaneConfig], SessionHandler] | None = None,
+    channels_last: bool | None = None,
     **service_kwargs,
 ) -> TrunkServer:
-    """Serve a copy of ``model`` with ``protocol``'s session handler (or ``handler``)."""
+    """Serve a copy of ``model`` with ``protocol``'s session handler (or ``handler``).
+
+    ``channels_last`` is the trunk's layout (None: the model's own, as in a run).
+    """
     server_model = copy.deepcopy(model)
-    trunk = Trunk(server_model, lr=lr)
+    trunk = Trunk(server_model, lr=lr, channels_last=channels_last)
     limits = limits or DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64)
     spec = protocol_named(protocol)
     if handler is not None:

@@ -35,7 +35,10 @@ def test_split_training_equals_whole_model_at_every_cut(trunk_server_factory, na
     whole = copy.deepcopy(reference)
     train_whole(whole, batches, LR)
     for cut in reference.valid_cuts:
-        server = trunk_server_factory(reference, lr=LR)
+        # Bit for bit needs the trunk in the layout the whole model trains in: channels-last
+        # kernels round differently on some CPUs (on AVX-512 the ResNet drifted 1.7e-3 in 20
+        # steps from 1e-7 at the first); tests/unit/test_trunk.py compares the two layouts.
+        server = trunk_server_factory(reference, lr=LR, channels_last=False)
         client_model = copy.deepcopy(reference)
         channel = open_channel(server, cut, transport)
         report = train_split_client(client_model, cut, batches, channel, lr=LR)
