@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -24,18 +25,21 @@ pytestmark = pytest.mark.serial
 
 
 def finished_runs(flwr: Path, env: dict[str, str], *, timeout_s: float = 180.0,
-                  poll_s: float = 5.0) -> dict[int, str]:
+                  poll_s: float = 5.0, but: Collection[int] = ()) -> dict[int, str]:
     """Wait until every run the local SuperLink knows has finished; return their statuses.
 
     ``flwr run --stream`` returns when the log stream ends, which is not always when the
     run does (seen: exit 0 while the ServerApp was still in round 1), so the SuperLink's
     own record of the run is what says it is over. Each ``flwr ls`` costs ~1.4 s of CPU,
-    so polling every second would take half a core from the run it waits for.
+    so polling every second would take half a core from the run it waits for. Runs in
+    ``but`` are not waited for (a run whose ServerApp was killed is marked failed only
+    when its heartbeats have been missed, 40 s later).
     """
     deadline = time.monotonic() + timeout_s
     while True:
         statuses = {int(run["run-id"]): run["status"] for run in listed_runs(flwr, env)}
-        if statuses and all(s.startswith("finished") for s in statuses.values()):
+        if statuses and all(s.startswith("finished") for r, s in statuses.items()
+                            if r not in but):
             return statuses
         assert time.monotonic() < deadline, f"runs not finished after {timeout_s} s: {statuses}"
         time.sleep(poll_s)
