@@ -7,6 +7,8 @@ import copy
 import torch
 from flwr.app import MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from server.sessions.merge import client_copy, merge_stages, stage_of, trunk_copy
@@ -209,3 +211,70 @@ def test_the_trunk_keeps_momentum_only_for_the_stages_it_trained_this_round():
     train_on_batch(trunk, 1, acts, labels)
     for p, b, g in zip(params[1], before, grads, strict=True):
         assert torch.allclose(p.detach(), b - LR * g, atol=1e-6)
+
+
+# --- any cuts, any samples, against the slow reference ------------------------------
+
+#: Per client: its cut and the samples of its one batch this round.
+CLIENTS = st.lists(st.tuples(st.sampled_from([1, 2, 3, 4]), st.integers(1, 32)),
+                   min_size=1, max_size=4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(clients=CLIENTS)
+def test_any_cuts_on_a_shared_trunk_merge_as_the_slow_reference(clients):
+    """Clients at any cuts with any samples: each stage is the samples-weighted mean of the
+    client copies holding it and of the trunk's copy, trained on the samples of every client
+    whose cut is at or below it; clients and trunk then hold the merged stages."""
+    model = digits_like_model()
+    trunk = Trunk(copy.deepcopy(model), lr=LR)
+    session = SplitSession(SharedTrunk(trunk), limits=LIMITS)
+    for seed, (cut, batch) in enumerate(clients):
+        train_on_batch(trunk, cut, *acts_at(model, cut, seed, batch))
+    stages = range(model.num_stages)
+    assert trunk.stage_samples == [sum(n for c, n in clients if c <= s) for s in stages]
+    sides = [client_state(model, cut, 10 + i) for i, (cut, _) in enumerate(clients)]
+    expected = reference_merge([
+        *((side, dict.fromkeys(range(cut), n))
+          for side, (cut, n) in zip(sides, clients, strict=True)),
+        (trunk.stage_state(), {s: n for s, n in enumerate(trunk.stage_samples) if n}),
+    ])
+    upto = max(cut for cut, _ in clients)
+    updates = [(side, n) for side, (_, n) in zip(sides, clients, strict=True)]
+    merged = session.merge_round(updates, upto=upto)
+    assert merged.keys() == set(bottom_state(model, upto))
+    after = trunk.stage_state()
+    assert after.keys() == expected.keys()  # every stage was trained by some copy
+    for key, value in expected.items():
+        assert torch.allclose(after[key], value, atol=1e-6), key
+        if key in merged:
+            assert torch.equal(merged[key], after[key]), key
+    assert trunk.stage_samples == [0] * model.num_stages
+
+
+@settings(max_examples=30, deadline=None)
+@given(clients=CLIENTS, gone=st.lists(st.booleans(), min_size=4, max_size=4))
+def test_any_cuts_with_a_trunk_copy_per_client_are_fedavg_of_the_finished_whole_models(
+        clients, gone):
+    """SplitFed v1 at any cuts: each finished client's two copies make one whole model, and
+    the merge is FedAvg of those by samples; a client that did not finish counts nowhere."""
+    finished = [i for i in range(len(clients)) if not gone[i]] or [0]
+    model = digits_like_model()
+    pool = TrunkPerClient(Trunk(copy.deepcopy(model), lr=LR))
+    session = SplitSession(pool, limits=LIMITS)
+    sides, whole = {}, {}
+    for i, (cut, batch) in enumerate(clients):
+        train_on_batch(pool.trunk_for(str(i)), cut, *acts_at(model, cut, i, batch))
+        sides[i] = client_state(model, cut, 10 + i)
+        whole[i] = {**pool.trunk_for(str(i)).stage_state(), **sides[i]}
+    session.finish_round([str(i) for i in finished])
+    upto = max(clients[i][0] for i in finished)
+    merged = session.merge_round([(sides[i], clients[i][1]) for i in finished], upto=upto)
+    total = sum(clients[i][1] for i in finished)
+    after = pool.trunk.stage_state()
+    for key in model.stages.state_dict():
+        mean = sum(whole[i][key].double() * (clients[i][1] / total) for i in finished)
+        assert torch.allclose(after[key].double(), mean, atol=1e-6), key
+    assert merged.keys() == set(bottom_state(model, upto))
+    assert (pool.trunk.steps, pool.trunk.samples) == (
+        len(finished), sum(clients[i][1] for i in finished))
