@@ -274,6 +274,11 @@ def start_registered_devices(processes: Processes, env, tmp_path: Path, *, port:
     return devices
 
 
+def messages_received(log: Path) -> int:
+    """Messages a SuperNode has received whole, by its log (its key's query, then rounds)."""
+    return log.read_text().count("Received successfully")
+
+
 def checkpointed_round(run_dir: Path) -> int:
     """The round of the run folder's checkpoint (0 before the first)."""
     try:
@@ -327,8 +332,13 @@ def test_deployment_with_tls_node_auth_devices_that_vanish_and_a_serverapp_that_
     assert intruder.wait(timeout=90) != 0
     assert "Failed to activate SuperNode" in processes.log("supernode-9")
     wait_for(lambda: checkpointed_round(run_dir) == 2, "round 2 checkpointed", timeout_s=300)
+    # The ServerApp dies during round 3, once the live devices hold its message: killed while
+    # it is still sending them, a device keeps pulling the half-sent message until the
+    # SuperLink marks the run failed (~50 s, Flower's), and only then takes the resumed run's.
+    wait_for(lambda: all(messages_received(tmp_path / f"device-{i}.log") == 4 for i in (0, 1)),
+             "round 3 received", timeout_s=300)
     [serverapp] = serverapp_pids(port)
-    os.kill(serverapp, signal.SIGKILL)  # and the ServerApp dies during round 3
+    os.kill(serverapp, signal.SIGKILL)
     [killed_run] = [int(r["run-id"]) for r in listed_runs(FLWR, env)]
     first.kill()
     first.wait(timeout=30)
