@@ -230,12 +230,14 @@ def decode_tensor(msg: TensorMessage, *, name: str, max_bytes: int) -> torch.Ten
         accepted = [pb.DType.Name(d) for d in DTYPES]
         raise FrameError(Reason.BAD_TENSOR, f"{name} has dtype {msg.dtype}; accepted: {accepted}")
     shape = tuple(msg.shape)
-    # A dimension above the frame limit can only be paired with a zero elsewhere, and
-    # such shapes overflow torch's size arithmetic: refuse them before anything else.
-    if len(shape) > MAX_DIMS or any(d > max_bytes for d in shape):
+    # A zero dimension makes any other dimensions hold no bytes, and large ones then
+    # overflow numpy's and torch's size arithmetic (found by hypothesis: (0, 1.7e6, 1.7e6,
+    # 1.7e6)). No tensor within the limit has more than max_bytes elements besides its
+    # zeros: refuse the rest before anything else.
+    if len(shape) > MAX_DIMS or math.prod(d for d in shape if d) > max_bytes:
         raise FrameError(
             Reason.TOO_LARGE, f"{name} has shape {shape}: more than {MAX_DIMS} dimensions "
-            f"or a dimension above {max_bytes}"
+            f"or more than {max_bytes} elements in its non-zero dimensions"
         )
     if msg.dtype == pb.INT8 or msg.row_nnz or msg.indices or msg.mask:
         return _decode_compressed(msg, shape, name=name, max_bytes=max_bytes)

@@ -59,6 +59,10 @@ def reason(err: pytest.ExceptionInfo[FrameError]) -> str:
     # A zero beside a dimension that overflows torch's size arithmetic.
     (pb.Tensor(dtype=pb.FLOAT32, shape=[0, 2**63], data=b""), "TOO_LARGE"),
     (pb.Tensor(dtype=pb.FLOAT32, shape=[2**40, 2**40], data=b""), "TOO_LARGE"),
+    # A zero beside dimensions each within the limit, whose product overflows numpy's.
+    (pb.Tensor(dtype=pb.FLOAT32, shape=[0, MAX, MAX, MAX], data=b""), "TOO_LARGE"),
+    (pb.Tensor(dtype=pb.BFLOAT16, shape=[MAX, 0, MAX, MAX], data=b""), "TOO_LARGE"),
+    (pb.Tensor(dtype=pb.INT8, shape=[0, MAX, MAX, MAX], data=b""), "TOO_LARGE"),
 ])
 def test_inconsistent_tensor_headers_are_refused_with_a_reason(tensor, expected):
     with pytest.raises(FrameError) as err:
