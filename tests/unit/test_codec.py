@@ -10,9 +10,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from protocols import protocol_named
 from server.sessions.split import SharedTrunk, SplitSession
 from server.trunk import Trunk
-from splitlearn.config import DataPlaneConfig
+from splitlearn.config import CompressionConfig, DataPlaneConfig
 from splitlearn.dataplane import FrameError, TokenRegistry, TrunkEndpoint
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import (
@@ -225,3 +226,78 @@ def test_the_generated_code_is_what_trunk_proto_compiles_to(tmp_path):
             f"{generated} is stale: python -m grpc_tools.protoc -I. --python_out=. "
             f"--pyi_out=. {proto}"
         )
+
+
+# --- adversarial error-feedback fields, against every protocol's trunk --------------------
+
+FEEDBACK_PROTOCOLS = ("splitfed_v2", "splitfed_v1", "sequential", "ushaped", "local_loss", "sglr")
+
+
+def feedback_endpoint(protocol: str):
+    """An endpoint serving ``protocol`` with top-k and error feedback, and a session at cut 1."""
+    spec = protocol_named(protocol)
+    model = digits_like_model("cnn")
+    trunk = Trunk(copy.deepcopy(model), lr=0.1)
+    compression = CompressionConfig(uplink="topk", downlink="topk", error_feedback=True)
+    limits = DataPlaneConfig(max_frame_bytes=MAX, max_batch=16, compression=compression)
+    options = spec.options(tail_cut=3) if protocol == "ushaped" else spec.options()
+    tokens = TokenRegistry()
+    endpoint = TrunkEndpoint({protocol: spec.trunk(trunk, options, limits)}, tokens,
+                             limits=limits)
+    token = tokens.issue(client="fuzzer", protocol=protocol, cut=1, server_round=1, ttl_s=600)
+    session, _ = endpoint.attach(token, cancel=lambda: None)
+    return endpoint, session, trunk, model
+
+
+FEEDBACK_TARGETS = {p: feedback_endpoint(p) for p in FEEDBACK_PROTOCOLS}
+
+#: What each protocol's device sends a training batch as.
+TRAINING_KIND = {"local_loss": "smashed"}
+
+
+def int64_ids(values: list[int]) -> pb.Tensor:
+    return encode_tensor(torch.tensor(values, dtype=torch.int64)).to_proto()
+
+
+@FUZZ
+@given(protocol=st.sampled_from(FEEDBACK_PROTOCOLS), batch=st.integers(1, 4),
+       data=st.data(), seed=st.integers(0, 2**16))
+def test_any_error_feedback_fields_get_a_reason_and_the_trunk_stays_finite(
+        protocol, batch, data, seed):
+    """A well-formed batch for the cut with any example ids (negative, huge, repeated, too
+    few, or any tensor at all), any version and lineage, and for U-shaped any backward after
+    it: accepted or refused with a reason, never a bug's; the sessions persist across
+    examples, so versions and references build up as a device's would."""
+    endpoint, session, trunk, model = FEEDBACK_TARGETS[protocol]
+    ids = data.draw(st.one_of(
+        st.lists(st.integers(0, 8), min_size=batch, max_size=batch).map(int64_ids),
+        st.lists(st.integers(-2**63, 2**63 - 1), min_size=batch, max_size=batch).map(int64_ids),
+        st.lists(st.integers(0, 8), max_size=6).map(int64_ids),
+        tensors,
+    ), label="example_ids")
+    version = data.draw(st.integers(0, 3) | st.integers(0, 2**64 - 1), label="version")
+    lineage = data.draw(st.integers(0, 3) | st.integers(0, 2**64 - 1), label="lineage")
+    generator = torch.Generator().manual_seed(seed)
+    acts = torch.rand(batch, *model.cut_shape(1), generator=generator)
+    labels = torch.randint(0, 10, (batch,), generator=generator)
+    kind = TRAINING_KIND.get(protocol, "forward")
+    # U-shaped labels stay on the device.
+    fields = {} if protocol == "ushaped" else {"labels": encode_tensor(labels)}
+    frame = request(next(SEQ), kind, activations=encode_tensor(acts), **fields)
+    part = getattr(frame, kind)
+    part.example_ids.CopyFrom(ids)
+    part.feedback_version, part.feedback_lineage = version, lineage
+    frames = [frame]
+    if protocol == "ushaped":  # the device's d loss / d features, of any batch
+        rows = data.draw(st.integers(1, 4), label="backward rows")
+        frames.append(request(next(SEQ), "backward", grad=encode_tensor(
+            torch.randn(rows, *model.cut_shape(3), generator=generator))))
+    for sent in frames:
+        reply = pb.Reply.FromString(endpoint.handle(session, sent.SerializeToString(), peer="f"))
+        if reply.WhichOneof("kind") == "refusal":
+            assert reply.refusal.reason != pb.Refusal.INTERNAL, reply.refusal.detail
+    if protocol == "local_loss":
+        # Local loss trains what it acknowledged on a thread of its own: drain it, as a
+        # round's end does (no thread outlives the example, and what it trained is checked).
+        endpoint.handlers[protocol].finish_round([session.grant.client])
+    assert all(torch.isfinite(p).all() for p in trunk.model.parameters())
