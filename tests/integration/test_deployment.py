@@ -331,15 +331,15 @@ def test_deployment_with_tls_node_auth_devices_that_vanish_and_a_serverapp_that_
     dead_id = node_id_in_log(processes.log("device-2"))
     assert intruder.wait(timeout=90) != 0
     assert "Failed to activate SuperNode" in processes.log("supernode-9")
+    [killed_run] = [int(r["run-id"]) for r in listed_runs(FLWR, env)]  # the only one yet
     wait_for(lambda: checkpointed_round(run_dir) == 2, "round 2 checkpointed", timeout_s=300)
     # The ServerApp dies during round 3, once the live devices hold its message: killed while
     # it is still sending them, a device keeps pulling the half-sent message until the
     # SuperLink marks the run failed (~50 s, Flower's), and only then takes the resumed run's.
-    wait_for(lambda: all(messages_received(tmp_path / f"device-{i}.log") == 4 for i in (0, 1)),
+    wait_for(lambda: all(messages_received(tmp_path / f"device-{i}.log") >= 4 for i in (0, 1)),
              "round 3 received", timeout_s=300)
     [serverapp] = serverapp_pids(port)
     os.kill(serverapp, signal.SIGKILL)
-    [killed_run] = [int(r["run-id"]) for r in listed_runs(FLWR, env)]
     first.kill()
     first.wait(timeout=30)
     before = torch.load(run_dir / "checkpoint.pt", weights_only=False)

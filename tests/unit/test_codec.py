@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocols import protocol_named
-from server.sessions.split import SharedTrunk, SplitSession
 from server.trunk import Trunk
 from splitlearn.config import CompressionConfig, DataPlaneConfig
 from splitlearn.dataplane import FrameError, TokenRegistry, TrunkEndpoint
@@ -108,15 +107,19 @@ def test_activation_and_label_rules_name_the_problem():
             check_labels(encode_tensor(bad), batch=batch, num_classes=10, max_bytes=MAX)
 
 
-def fuzz_endpoint():
-    """An endpoint with a real split session on a small trunk, and a valid session."""
-    model = digits_like_model("cnn")
-    trunk = Trunk(copy.deepcopy(model), lr=0.1)
-    limits = DataPlaneConfig(max_frame_bytes=MAX, max_batch=16)
+def fuzz_endpoint(protocol: str = "splitfed_v2", *,
+                  compression: CompressionConfig | None = None):
+    """An endpoint serving ``protocol``'s real sessions on a small trunk, and a session at cut 1."""
+    spec = protocol_named(protocol)
+    assert spec.trunk is not None
+    trunk = Trunk(copy.deepcopy(digits_like_model("cnn")), lr=0.1)
+    limits = DataPlaneConfig(max_frame_bytes=MAX, max_batch=16,
+                             compression=compression or CompressionConfig())
+    options = spec.options(tail_cut=3) if protocol == "ushaped" else spec.options()
     tokens = TokenRegistry()
-    endpoint = TrunkEndpoint({"split": SplitSession(SharedTrunk(trunk), limits=limits)}, tokens,
+    endpoint = TrunkEndpoint({protocol: spec.trunk(trunk, options, limits)}, tokens,
                              limits=limits)
-    token = tokens.issue(client="fuzzer", protocol="split", cut=1, server_round=1, ttl_s=600)
+    token = tokens.issue(client="fuzzer", protocol=protocol, cut=1, server_round=1, ttl_s=600)
     session, _ = endpoint.attach(token, cancel=lambda: None)
     return endpoint, session, trunk
 
@@ -233,23 +236,9 @@ def test_the_generated_code_is_what_trunk_proto_compiles_to(tmp_path):
 FEEDBACK_PROTOCOLS = ("splitfed_v2", "splitfed_v1", "sequential", "ushaped", "local_loss", "sglr")
 
 
-def feedback_endpoint(protocol: str):
-    """An endpoint serving ``protocol`` with top-k and error feedback, and a session at cut 1."""
-    spec = protocol_named(protocol)
-    model = digits_like_model("cnn")
-    trunk = Trunk(copy.deepcopy(model), lr=0.1)
-    compression = CompressionConfig(uplink="topk", downlink="topk", error_feedback=True)
-    limits = DataPlaneConfig(max_frame_bytes=MAX, max_batch=16, compression=compression)
-    options = spec.options(tail_cut=3) if protocol == "ushaped" else spec.options()
-    tokens = TokenRegistry()
-    endpoint = TrunkEndpoint({protocol: spec.trunk(trunk, options, limits)}, tokens,
-                             limits=limits)
-    token = tokens.issue(client="fuzzer", protocol=protocol, cut=1, server_round=1, ttl_s=600)
-    session, _ = endpoint.attach(token, cancel=lambda: None)
-    return endpoint, session, trunk, model
-
-
-FEEDBACK_TARGETS = {p: feedback_endpoint(p) for p in FEEDBACK_PROTOCOLS}
+#: Each protocol's trunk with top-k both ways and error feedback.
+FEEDBACK_TARGETS = {p: fuzz_endpoint(p, compression=CompressionConfig(
+    uplink="topk", downlink="topk", error_feedback=True)) for p in FEEDBACK_PROTOCOLS}
 
 #: What each protocol's device sends a training batch as.
 TRAINING_KIND = {"local_loss": "smashed"}
@@ -268,7 +257,7 @@ def test_any_error_feedback_fields_get_a_reason_and_the_trunk_stays_finite(
     few, or any tensor at all), any version and lineage, and for U-shaped any backward after
     it: accepted or refused with a reason, never a bug's; the sessions persist across
     examples, so versions and references build up as a device's would."""
-    endpoint, session, trunk, model = FEEDBACK_TARGETS[protocol]
+    endpoint, session, trunk = FEEDBACK_TARGETS[protocol]
     ids = data.draw(st.one_of(
         st.lists(st.integers(0, 8), min_size=batch, max_size=batch).map(int64_ids),
         st.lists(st.integers(-2**63, 2**63 - 1), min_size=batch, max_size=batch).map(int64_ids),
@@ -278,7 +267,7 @@ def test_any_error_feedback_fields_get_a_reason_and_the_trunk_stays_finite(
     version = data.draw(st.integers(0, 3) | st.integers(0, 2**64 - 1), label="version")
     lineage = data.draw(st.integers(0, 3) | st.integers(0, 2**64 - 1), label="lineage")
     generator = torch.Generator().manual_seed(seed)
-    acts = torch.rand(batch, *model.cut_shape(1), generator=generator)
+    acts = torch.rand(batch, *trunk.cut_shape(1), generator=generator)
     labels = torch.randint(0, 10, (batch,), generator=generator)
     kind = TRAINING_KIND.get(protocol, "forward")
     # U-shaped labels stay on the device.
@@ -291,7 +280,7 @@ def test_any_error_feedback_fields_get_a_reason_and_the_trunk_stays_finite(
     if protocol == "ushaped":  # the device's d loss / d features, of any batch
         rows = data.draw(st.integers(1, 4), label="backward rows")
         frames.append(request(next(SEQ), "backward", grad=encode_tensor(
-            torch.randn(rows, *model.cut_shape(3), generator=generator))))
+            torch.randn(rows, *trunk.cut_shape(3), generator=generator))))
     for sent in frames:
         reply = pb.Reply.FromString(endpoint.handle(session, sent.SerializeToString(), peer="f"))
         if reply.WhichOneof("kind") == "refusal":
