@@ -66,6 +66,15 @@ from splitlearn.dataplane.node_keys import (
     prove,
     public_key_of,
 )
+from splitlearn.messages import (
+    ROUND_KEY,
+    SPEC_KEY,
+    STATUS_KEY,
+    UPDATE_WEIGHT_KEY,
+    record_bytes,
+    record_to_state,
+    state_to_record,
+)
 from splitlearn.models.factory import build_model_from_config
 from splitlearn.planning.devices import DeviceProfile
 from splitlearn.privacy import (
@@ -79,9 +88,6 @@ from splitlearn.privacy.accounting import Step
 from splitlearn.privacy.floor import PrivacyFloor, PrivacyFloorViolation
 from splitlearn.privacy.labels import randomized_labels
 from splitlearn.privacy.ledger import LEDGER_KEY, load_label_secret, load_ledger, save_ledger
-from splitlearn.wire import record_bytes, record_to_state, state_to_record
-from strategies.privacy import UPDATE_WEIGHT_KEY
-from strategies.reporting import ROUND_KEY, SPEC_KEY, STATUS_KEY
 
 #: ``context.state`` key of this node's privacy accountant history.
 ACCOUNTANT_STATE_KEY = "privacy-accountant"
@@ -192,8 +198,7 @@ class ClientRound:
         or the device refuses the round (DeviceFailure naming the option).
         """
         model = build_model_from_config(self.spec.model, self.spec.dataset)
-        client = client_step_type(self.protocol.name, self.protocol.client, self.spec,
-                                  checkpoint=self.checkpoint)
+        client = client_step_type(self.protocol, self.spec, checkpoint=self.checkpoint)
         step = client(model, self.spec, cut=self.cut, checkpoint=self.checkpoint)
         step.load(record_to_state(arrays))
         return step

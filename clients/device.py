@@ -9,23 +9,18 @@ may vanish mid-round, may lack the memory for its protocol's modules, and, with
 
 from __future__ import annotations
 
-import functools
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from omegaconf import OmegaConf
-
-from splitlearn.config import CONF_DIR, RunSpec
+from splitlearn.config import RunSpec
 from splitlearn.planning.clock import ClientMeasurement, ClientTime, client_time
-from splitlearn.planning.devices import DeviceProfile, apply_traces, build_fleet
+from splitlearn.planning.devices import DeviceProfile, apply_traces, build_fleet, preset_profiles
 
 #: Node-config key of the preset a real device declares itself as (``clients.connect
 #: --profile``): its memory budget holds, and its times are its own (nothing emulated).
 PROFILE_KEY = "device-profile"
-#: The shipped device presets (conf/devices/profiles/presets.yaml).
-PRESETS_FILE = CONF_DIR / "devices" / "profiles" / "presets.yaml"
 
 
 class DeviceFailure(RuntimeError):
@@ -106,12 +101,6 @@ def device_profile(
         profiles={k: vars(v) for k, v in spec.devices.profiles.items()}, seed=spec.seed,
     )
     return profiles[partition_id] if profiles else None
-
-
-@functools.cache
-def preset_profiles() -> dict[str, dict]:
-    """Return the shipped device presets by name (plain mappings; read once, do not modify)."""
-    return OmegaConf.to_container(OmegaConf.load(PRESETS_FILE))  # type: ignore[return-value]
 
 
 def declared_profile(name: str | None) -> DeviceProfile | None:

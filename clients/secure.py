@@ -27,8 +27,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
 from flwr.compat.common.recorddict_compat import fitres_to_recorddict
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, compute_clip_model_update
 
-from strategies.privacy import UPDATE_WEIGHT_KEY
-from strategies.reporting import STATUS_KEY
+from splitlearn.messages import STATUS_KEY, UPDATE_WEIGHT_KEY
 
 __all__ = ["SecureAggregationRangeError", "clip_update", "masked_update", "secaggplus_mod"]
 

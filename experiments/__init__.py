@@ -1,1 +1,1 @@
-"""Experiment entry points: the Hydra run, benchmarks."""
+"""Entry points: the Hydra run, the in-process runner, attacks, comparisons, certificates."""

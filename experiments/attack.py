@@ -46,8 +46,7 @@ import torch  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from clients.steps.split import SplitStep  # noqa: E402
-from protocols import compose_config, protocol_named  # noqa: E402
+from protocols import compose_config, protocol_named, tail_cut_of  # noqa: E402
 from splitlearn.attacks import (  # noqa: E402
     InversionResult,
     bias_corrected_distance_correlation,
@@ -65,7 +64,6 @@ from splitlearn.models import SplittableModel  # noqa: E402
 from splitlearn.privacy import GaussianActivationMechanism  # noqa: E402
 from splitlearn.privacy.labels import randomized_labels  # noqa: E402
 from splitlearn.privacy.mechanism import clip_per_sample  # noqa: E402
-from splitlearn.split import resolve_tail_cut  # noqa: E402
 
 #: Overrides applied before the user's: fast, offline, the shallowest (most exposed) cut.
 ATTACK_DEFAULTS = (
@@ -288,9 +286,9 @@ def server_seen_gradients(
     """
     stages = list(model.stages)
     cut = cfg.model.cut
-    if cfg.strategy.name != "ushaped":
+    tail_cut = tail_cut_of(cfg.strategy, model)
+    if tail_cut is None:
         return cut_layer_gradients(nn.Sequential(*stages[cut:]), released, labels)
-    tail_cut = resolve_tail_cut(model, cut, cfg.strategy.tail_cut)
     with torch.no_grad():
         features = nn.Sequential(*stages[cut:tail_cut])(released)
     grads = cut_layer_gradients(nn.Sequential(*stages[tail_cut:]), features, labels)
@@ -323,13 +321,14 @@ def table_configs(
         rows.append(["privacy=dpsgd_client", f"privacy.noise_multiplier={dpsgd[0]}",
                      f"privacy.clip_norm={dpsgd[1]}"])
     protocol = protocol_named(compose_config([*ATTACK_DEFAULTS, *overrides]).strategy.name)
-    if nopeek is not None and issubclass(protocol.client, SplitStep):  # what NoPeek regularises
+    caps = protocol.capabilities
+    if nopeek is not None and caps.nopeek:
         rows.append(["privacy=none", f"privacy.nopeek_weight={nopeek}"])
     if label_epsilon is not None:
         rows.append(["privacy=none", f"privacy.label_epsilon={label_epsilon}"])
-    if protocol.name == "ushaped":
+    if caps.device_tail is not None:  # the device returns a gradient: it can be noised
         rows.append(["privacy=none", f"privacy.gradient_noise_multiplier={TABLE_GRADIENT_NOISE}"])
-    if update_dp is not None and protocol.name != "sequential":  # a protocol that averages
+    if update_dp is not None and caps.averages_device_weights:
         rows.append(["privacy=none", "aggregation.secure=true",
                      f"aggregation.update_noise_multiplier={update_dp[0]}",
                      f"aggregation.update_clip_norm={update_dp[1]}"])

@@ -62,6 +62,7 @@ from splitlearn.config import (
 from splitlearn.data import held_out_dataset
 from splitlearn.dataplane import TokenRegistry, TrunkEndpoint, TrunkService
 from splitlearn.evaluation import evaluate_model, intra_op_threads, usable_cores
+from splitlearn.messages import UPDATE_WEIGHT_KEY, record_to_state, state_to_record
 from splitlearn.models import SplittableModel
 from splitlearn.models.factory import source_module
 from splitlearn.planning.clock import VirtualClock, round_time
@@ -70,10 +71,9 @@ from splitlearn.planning.devices import DeviceProfile, build_fleet
 from splitlearn.privacy import with_release_at_cut
 from splitlearn.split import load_bottom_state
 from splitlearn.tracking import CompositeSink, make_sinks
-from splitlearn.wire import record_to_state, state_to_record
 from strategies.adaptive import CutPlanning, build_planner, prior_state
 from strategies.node_keys import NodeKeys
-from strategies.privacy import UPDATE_WEIGHT_KEY, ClippedUpdateNoise, PrivacyBudgetGuard
+from strategies.privacy import ClippedUpdateNoise, PrivacyBudgetGuard
 from strategies.reporting import RoundOutcome
 from strategies.resume import ResumedRounds
 from strategies.splitfed import DataPlaneAccess
@@ -105,7 +105,7 @@ def trunk_recipe(cfg: DictConfig) -> TrunkRecipe:
     """Return what builds the run's trunk (in this process, and in each trunk worker)."""
     return TrunkRecipe(
         protocol=cfg.strategy.name, model=to_object(cfg.model), dataset=to_object(cfg.dataset),
-        seed=cfg.seed, options=to_object(cfg.strategy), limits=to_object(cfg.dataplane),
+        seed=cfg.seed, options=to_object(cfg.strategy), dataplane=to_object(cfg.dataplane),
     )
 
 
@@ -192,7 +192,8 @@ def make_planning(cfg: DictConfig, trunk: Trunk, *, host_flops_per_s: float
              for c in cut_costs(trunk.model, batch_size=cfg.strategy.batch_size, leak=leak,
                                 tail_cut=tail_cut, frees_output=step.frees_sent_output)
              if c.cut in allowed]
-    planner = build_planner(settings, costs, shared_trunk=cfg.strategy.name != "splitfed_v1",
+    shared = protocol_named(cfg.strategy.name).capabilities.trunk == "shared"
+    planner = build_planner(settings, costs, shared_trunk=shared,
                             seed=cfg.seed)
     return CutPlanning(
         planner=planner, costs=costs, trunk_busy_s=lambda: trunk.busy_s,

@@ -7,7 +7,7 @@ consecutive steps hop between cores and each starts with the weights, gradients 
 momentum out of that core's caches. Measured on a 2-core host (the default job's
 SmallCNN trunk, batch 32, one intra-op thread): 8.9 ms a step from one thread,
 10.3-11.4 ms alternating between two, 8.8-9.2 ms alternating with :class:`StickyCore`
-(``python -m experiments.bench handoff``).
+(``python -m benchmarks handoff``).
 
 :class:`StickyCore` moves the thread that is about to step onto the core the previous
 step ended on, then gives it back its whole allowed set at once, so the scheduler may

@@ -9,7 +9,7 @@ from the first worker each round, so a run's merges add the same copies in the s
 order whatever order Flower drew the nodes in); within a
 worker the trunk is shared and steps per batch (SplitFed v2), and at round end the
 worker copies are merged stage by stage and weighted by samples, with the clients'
-copies, as SplitFed v1 merges its per-client copies (:mod:`server.sessions.merge`).
+copies, as SplitFed v1 merges its per-client copies (:mod:`splitlearn.merge`).
 Momentum is merged the same way, so a worker's optimiser carries on from the
 merged direction. The ServerApp's own trunk holds the merged model (evaluation,
 checkpoints, resume) and is copied to the workers before the next sessions start.
@@ -45,12 +45,13 @@ import torch
 from torch import Tensor
 
 from server.allocator import reuse_freed_memory
-from server.sessions.merge import StageCopy, client_copy, client_stages, merge_stages, trunk_copy
+from server.standalone import build_trunk_side
 from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, DatasetConfig, ModelConfig, StrategyConfig
 from splitlearn.dataplane import TokenRegistry, TrunkEndpoint, TrunkService
 from splitlearn.dataplane.feedback import FeedbackBook
 from splitlearn.dataplane.tokens import SessionGrant
+from splitlearn.merge import StageCopy, client_copy, client_stages, merge_stages, trunk_copy
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class TrunkRecipe:
         Seed of the model's initial weights (every copy starts from the same).
     options : StrategyConfig
         The protocol's options (learning rate, momentum, batching).
-    limits : DataPlaneConfig
+    dataplane : DataPlaneConfig
         What the data plane accepts, and where it serves.
     """
 
@@ -81,39 +82,31 @@ class TrunkRecipe:
     dataset: DatasetConfig
     seed: int
     options: StrategyConfig
-    limits: DataPlaneConfig
+    dataplane: DataPlaneConfig
 
     @property
     def sticky_core(self) -> bool:
         """Whether the trunk starts each step on the core the last one ended on."""
-        if self.limits.trunk_sticky_core is not None:
-            return self.limits.trunk_sticky_core
-        return self.limits.trunk_workers == 1
+        if self.dataplane.trunk_sticky_core is not None:
+            return self.dataplane.trunk_sticky_core
+        return self.dataplane.trunk_workers == 1
 
     def build(self) -> tuple[Trunk, Any, TokenRegistry, TrunkEndpoint]:
         """Build the seeded trunk, the protocol's session handler (or None) and the endpoint."""
-        from protocols import protocol_named
         from splitlearn.models.factory import build_model_from_config
 
-        protocol = protocol_named(self.protocol)
         model = build_model_from_config(self.model, self.dataset, seed=self.seed)
-        s = self.options
-        trunk = Trunk(model, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay,
-                      channels_last=self.limits.channels_last,
-                      sticky_core=self.sticky_core)
-        handler = protocol.trunk(trunk, s, self.limits) if protocol.trunk else None
-        tokens = TokenRegistry()
-        handlers = {protocol.name: handler} if handler is not None else {}
-        return trunk, handler, tokens, TrunkEndpoint(handlers, tokens, limits=self.limits)
+        side = build_trunk_side(model, self.options, self.dataplane, sticky_core=self.sticky_core)
+        return side.trunk, side.handler, side.tokens, side.endpoint
 
 
-def server_credentials(limits: DataPlaneConfig) -> grpc.ServerCredentials | None:
+def server_credentials(dataplane: DataPlaneConfig) -> grpc.ServerCredentials | None:
     """TLS credentials of a trunk service from ``dataplane.ssl_*``, or None (plaintext)."""
-    if limits.ssl_certfile is None:
+    if dataplane.ssl_certfile is None:
         return None
-    assert limits.ssl_keyfile is not None  # DataPlaneConfig checks they go together
-    key = Path(limits.ssl_keyfile).read_bytes()
-    chain = Path(limits.ssl_certfile).read_bytes()
+    assert dataplane.ssl_keyfile is not None  # DataPlaneConfig checks they go together
+    key = Path(dataplane.ssl_keyfile).read_bytes()
+    chain = Path(dataplane.ssl_certfile).read_bytes()
     return grpc.ssl_server_credentials([(key, chain)])
 
 
@@ -174,10 +167,10 @@ class WorkerCommands:
         return dict(self.endpoint.refusals)
 
 
-def set_up_trunk_process(limits: DataPlaneConfig) -> None:
+def set_up_trunk_process(dataplane: DataPlaneConfig) -> None:
     """Set up a process that steps a trunk: its intra-op threads and its allocator."""
-    torch.set_num_threads(limits.trunk_threads)
-    if limits.trunk_reuses_memory:
+    torch.set_num_threads(dataplane.trunk_threads)
+    if dataplane.trunk_reuses_memory:
         reuse_freed_memory()
 
 
@@ -187,13 +180,13 @@ def serve_worker(recipe: TrunkRecipe, port: int, conn: Connection) -> None:
     The first message sent is the service's address. The worker also stops when the
     pipe closes (the ServerApp's process died), so no worker outlives its run.
     """
-    set_up_trunk_process(recipe.limits)
+    set_up_trunk_process(recipe.dataplane)
     trunk, handler, tokens, endpoint = recipe.build()
-    limits = recipe.limits
-    service = TrunkService(endpoint, host=limits.host, port=port,
-                           advertise_host=limits.advertise_host,
-                           max_streams=limits.max_streams,
-                           server_credentials=server_credentials(limits))
+    dataplane = recipe.dataplane
+    service = TrunkService(endpoint, host=dataplane.host, port=port,
+                           advertise_host=dataplane.advertise_host,
+                           max_streams=dataplane.max_streams,
+                           server_credentials=server_credentials(dataplane))
     service.start()
     commands = WorkerCommands(trunk, tokens, endpoint, getattr(handler, "feedback", None))
     conn.send(service.address)
@@ -295,7 +288,7 @@ class TrunkWorkers:
         self._stale = True  # the workers' copies differ from the ServerApp's trunk
         #: With error feedback: the worker holding each client's memory (it served it last).
         self._feedback_at: dict[str, TrunkWorker] | None = (
-            {} if recipe.limits.compression.error_feedback else None)
+            {} if recipe.dataplane.compression.error_feedback else None)
         tokens.on_revoke(self._forward_revocations)
 
     @staticmethod
@@ -305,7 +298,7 @@ class TrunkWorkers:
         workers = []
         for index in range(count):
             parent, child = context.Pipe()
-            port = recipe.limits.port + index if recipe.limits.port else 0
+            port = recipe.dataplane.port + index if recipe.dataplane.port else 0
             process = context.Process(target=serve_worker, args=(recipe, port, child),
                                       name=f"trunk-worker-{index}", daemon=True)
             process.start()

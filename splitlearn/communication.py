@@ -1,4 +1,4 @@
-"""Closed-form bytes per training sample for each protocol (pure Python).
+"""Closed-form bytes per training sample, one form per shape of traffic (pure Python).
 
 What a protocol moves per training sample, on the data plane (smashed data up,
 gradients down, labels) and in the Flower messages (weights down and up once a
@@ -7,13 +7,13 @@ samples per client, ``e`` local epochs, ``q`` encoded bytes of one example's
 activation at the cut (``g`` of its gradient), ``W`` the whole model's weight
 bytes and ``W_c`` the client side's:
 
-========================  =====================================================
-FedAvg                    ``2 W / (n e)``
-SplitFed v1/v2, SGLR, SL  ``q + 8 + g + 2 W_c / (n e)`` (8: the int64 label)
-U-shaped                  ``q + g + f_up + f_down + 2 W_c / (n e)`` (``f``: the
-                          features at the tail cut, down, and their gradient, up)
-local loss                ``q + 8 + 2 W_c / (n e)`` (nothing comes back per batch)
-========================  =====================================================
+* :func:`whole_model_bytes` (FedAvg): ``2 W / (n e)``;
+* :func:`split_bytes`: ``q + 8 + g + 2 W_c / (n e)`` (8: the int64 label);
+* :func:`split_with_tail_bytes`: ``q + g + f_up + f_down + 2 W_c / (n e)`` (``f``: the
+  features at the tail cut, down, and their gradient, up);
+* :func:`upload_only_bytes`: ``q + 8 + 2 W_c / (n e)`` (nothing comes back per batch).
+
+Each protocol's registry entry names its form (``Capabilities.bytes_per_sample``).
 
 For ``int8`` these are upper bounds: ReLU's zeros at the cut cost a bit, not a
 byte (:func:`encoded_row_bytes`' ``zero_fraction``). Per-batch framing (a few
@@ -27,6 +27,7 @@ little data per device.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 #: Bytes of one example's label on the data plane (int64).
@@ -100,14 +101,55 @@ class Sizes:
         return self.model_param_bytes + ARRAY_HEADER_BYTES * self.model_arrays
 
 
-#: Protocols whose data plane moves activations and labels up, gradients down.
-SPLIT_PROTOCOLS = ("splitfed_v1", "splitfed_v2", "sglr", "sequential")
+#: Encoded bytes of one example's tensor of ``entries`` values sent ``"up"`` or ``"down"``.
+RowBytes = Callable[[int, str], int]
+#: A protocol's closed form (its registry entry names one): (sizes, row bytes) ->
+#: (data-plane bytes per sample, bytes of the state one Flower message carries).
+ClosedForm = Callable[[Sizes, RowBytes], tuple[int, int]]
 
 
-def bytes_per_sample(protocol: str, sizes: Sizes, *, samples_per_client: float,
+def whole_model_bytes(sizes: Sizes, row: RowBytes) -> tuple[int, int]:
+    """FedAvg's form: no data plane; the whole model travels each way once a round."""
+    return 0, sizes.model_shipped_bytes
+
+
+def split_bytes(sizes: Sizes, row: RowBytes) -> tuple[int, int]:
+    """Activations and labels up, the gradient at the cut down; the device side travels."""
+    cut = sizes.cut_entries
+    return row(cut, "up") + LABEL_BYTES + row(cut, "down"), sizes.client_shipped_bytes
+
+
+def split_with_tail_bytes(sizes: Sizes, row: RowBytes) -> tuple[int, int]:
+    """As :func:`split_bytes` without labels; the tail's features down, their gradient up."""
+    cut, tail = sizes.cut_entries, sizes.tail_entries
+    data = row(cut, "up") + row(cut, "down") + row(tail, "down") + row(tail, "up")
+    return data, sizes.client_shipped_bytes
+
+
+def upload_only_bytes(sizes: Sizes, row: RowBytes) -> tuple[int, int]:
+    """Activations and labels up, nothing down per batch; the device side travels."""
+    return row(sizes.cut_entries, "up") + LABEL_BYTES, sizes.client_shipped_bytes
+
+
+def bytes_per_sample(closed_form: ClosedForm, sizes: Sizes, *, samples_per_client: float,
                      local_epochs: int = 1, uplink: str = "none", downlink: str = "none",
                      topk_fraction: float = 0.1) -> dict[str, float]:
     """Bytes per training sample (an example seen once), by plane.
+
+    Parameters
+    ----------
+    closed_form : ClosedForm
+        The protocol's (its registry entry's ``bytes_per_sample``).
+    sizes : Sizes
+        The model's sizes at the cut.
+    samples_per_client : float
+        Training examples per device.
+    local_epochs : int, optional
+        Passes over them per round.
+    uplink, downlink : str, optional
+        Compression per direction (:data:`splitlearn.config.COMPRESSION_METHODS`).
+    topk_fraction : float, optional
+        Share of a row top-k keeps.
 
     Returns
     -------
@@ -117,27 +159,18 @@ def bytes_per_sample(protocol: str, sizes: Sizes, *, samples_per_client: float,
     Raises
     ------
     ValueError
-        For an unknown protocol or compression, or no training samples.
+        For an unknown compression, or no training samples.
     """
     seen = samples_per_client * local_epochs
     if not seen > 0:
         raise ValueError(f"need training samples, got {samples_per_client} x {local_epochs}")
+    methods = {"up": uplink, "down": downlink}
 
-    def row(entries: int, method: str) -> int:
-        return encoded_row_bytes(entries, method, topk_fraction=topk_fraction)
+    def row(entries: int, direction: str) -> int:
+        return encoded_row_bytes(entries, methods[direction], topk_fraction=topk_fraction)
 
-    up, down = row(sizes.cut_entries, uplink), row(sizes.cut_entries, downlink)
-    if protocol == "fedavg":
-        data, weights = 0.0, 2 * sizes.model_shipped_bytes / seen
-    elif protocol in SPLIT_PROTOCOLS:
-        data, weights = up + LABEL_BYTES + down, 2 * sizes.client_shipped_bytes / seen
-    elif protocol == "ushaped":
-        tail = row(sizes.tail_entries, downlink) + row(sizes.tail_entries, uplink)
-        data, weights = up + down + tail, 2 * sizes.client_shipped_bytes / seen
-    elif protocol == "local_loss":
-        data, weights = up + LABEL_BYTES, 2 * sizes.client_shipped_bytes / seen
-    else:
-        raise ValueError(f"no closed form for protocol {protocol!r}")
+    data, shipped = closed_form(sizes, row)
+    weights = 2 * shipped / seen
     return {"data_plane": float(data), "weights": weights, "total": data + weights}
 
 

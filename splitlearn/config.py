@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import math
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ class ModelConfig:
 
     ``name`` picks a network of the zoo. ``_target_`` instead names any
     ``nn.Module`` class (``mypkg.nets.MyNet``): it is built with ``options`` as
-    keyword arguments and cut by ``splitlearn.autosplit.auto_split`` wherever a
+    keyword arguments and cut by ``splitlearn.models.autosplit.auto_split`` wherever a
     single tensor crosses; ``cut`` then counts those cut points.
     """
 
@@ -177,7 +178,7 @@ class DataPlaneConfig:
     # of giving it back and faulting it in again (glibc; server/allocator.py).
     trunk_reuses_memory: bool = True
     # The trunk's 4-D activations channels-last; None: as the model prefers
-    # (SplittableModel.channels_last, measured by `python -m experiments.bench trunk`).
+    # (SplittableModel.channels_last, measured by `python -m benchmarks trunk`).
     channels_last: bool | None = None
     # SplitFed v2's trunk in this many processes, clients dealt to them in turn and the
     # copies merged every round (1: the trunk steps in the ServerApp's process).
@@ -528,7 +529,6 @@ class Config:
 
     seed: int = 0
     num_clients: int = 10
-    scenario: str = "default"
     run_dir: str = MISSING  # set by Hydra to its output dir
     checkpoint: bool = True  # write run_dir/checkpoint.pt after every round
     resume: bool = False  # continue the run in run_dir from its checkpoint
@@ -631,3 +631,35 @@ def to_container(cfg: DictConfig) -> dict[str, Any]:
     """Resolve a config into plain Python containers."""
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """Refuse a key no schema has, including one added with Hydra's ``+`` (ValueError).
+
+    Hydra lets ``+key=value`` through the schemas' struct mode, so a misspelt
+    ``+strategy.num_round=1`` would be written to the run's config and used by nothing.
+    Every node typed by a dataclass accepts its fields only; a mapping typed
+    ``dict[str, Any]`` (``model.options``, a user model's own arguments) is open.
+
+    Raises
+    ------
+    ValueError
+        Naming the full key and the nearest valid one.
+    """
+    _check_node_keys(cfg, "")
+
+
+def _check_node_keys(node: DictConfig, prefix: str) -> None:
+    schema = OmegaConf.get_type(node)
+    known = ({f.name for f in dataclasses.fields(schema)}
+             if dataclasses.is_dataclass(schema) else None)
+    for key in node.keys():
+        name = f"{prefix}{key}"
+        if known is not None and key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            raise ValueError(f"unknown config key {name!r}: no schema has it{hint} "
+                             f"(keys of {prefix.rstrip('.') or 'the config'}: {sorted(known)})")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _check_node_keys(child, f"{name}.")

@@ -2,7 +2,7 @@
 
 Each client trains its bottom against a small auxiliary head of its own and hands
 the smashed data (activations and labels) to the server, which trains the trunk
-on it apart (see :mod:`clients.steps.local_loss` and :mod:`server.sessions.smashed`).
+on it apart (see :mod:`clients.steps.local_loss` and :mod:`server.sessions.local_loss`).
 Streamed, the trunk side drains its queue over the clients that finished when the
 round ends. In bulk mode each reply also carries the round's smashed data as a
 second ArrayRecord: it is taken out of every reply before FedAvg (which wants one
@@ -15,7 +15,7 @@ Clients may hold different cuts (``planner=``): the global arrays keep one
 auxiliary head per cut (:func:`splitlearn.aux_head.cut_aux_prefix`); each
 client gets its cut's head and the stages below its cut, the trunk trains each
 batch from the cut it came from, and at round end every stage is averaged over
-the copies that trained it (the trunk's included, :mod:`server.sessions.merge`)
+the copies that trained it (the trunk's included, :mod:`splitlearn.merge`)
 and every head over the clients at its cut. With equal cuts this is FedAvg of
 the client sides, as before.
 """
@@ -26,15 +26,12 @@ import logging
 import random
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from clients.steps.local_loss import SMASHED_RECORD_KEY, unpack_smashed
-from server.sessions.merge import weighted_average
 from splitlearn.aux_head import (
     AUX_PREFIX,
     cut_aux_prefix,
@@ -43,22 +40,12 @@ from splitlearn.aux_head import (
     split_client_state,
     without_aux,
 )
-from splitlearn.config import StrategyConfig
-from splitlearn.wire import record_to_state, state_to_record
+from splitlearn.merge import weighted_average
+from splitlearn.messages import SMASHED_RECORD_KEY, record_to_state, state_to_record, unpack_smashed
 from strategies.reporting import reply_metrics
 from strategies.splitfed import SplitFed
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LocalLossOptions(StrategyConfig):
-    """Local-loss split learning."""
-
-    name: str = "local_loss"
-    bulk: bool = False  # ship a round's smashed data in the Flower reply (no data plane)
-    aux_hidden: int = 0  # auxiliary head: 0 = one linear layer, else an MLP this wide
-    queue_bytes: int = 256 * 1024 * 1024  # smashed data the trunk holds before back-pressure
 
 
 class BulkTrunk(Protocol):

@@ -32,8 +32,6 @@ from strategies.reporting import ReportingFedAvg, reply_status
 
 #: Status of a client that declined a round because its budget is spent.
 BUDGET_STATUS = "budget"
-#: Reply metric a device that clipped its update reports as 1: DP-FedAvg's uniform weight.
-UPDATE_WEIGHT_KEY = "update-weight"
 
 
 class PrivacyBudgetGuard(Strategy):

@@ -26,20 +26,15 @@ from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-from splitlearn.config import AggregationConfig, RunSpec, StrategyConfig, encode_spec
+from splitlearn.config import AggregationConfig, RunSpec, encode_spec
+from splitlearn.messages import ROUND_KEY, SPEC_KEY, STATUS_KEY, with_dtypes_of
 
-#: Reply record of a client that did not finish: ``status`` and ``reason``.
-STATUS_KEY = "status"
-#: Message record of the round's data (round, cut and, for split protocols, the session).
-ROUND_KEY = "round"
-#: Key of the run spec inside the message's config record.
-SPEC_KEY = "run-spec"
 #: Statuses a reply can have, in report order.
 STATUSES = ("ok", "straggler", "unavailable", "dropout", "memory", "refused", "budget", "privacy",
             "failed", "lost")
@@ -53,13 +48,6 @@ MAX_METRICS = ("virtual-s", "epsilon", "epsilon-vs-server", "peak-memory-bytes")
 #: Per-client labels, meaningless when averaged.
 CLIENT_ONLY_METRICS = ("partition-id", "cut", "checkpoint", "memory-budget", "round-examples",
                        "round-steps")
-
-
-@dataclass
-class FedAvgOptions(StrategyConfig):
-    """The FedAvg baseline (McMahan et al. 2017): the whole model on every device."""
-
-    name: str = "fedavg"
 
 
 @dataclass(frozen=True)
@@ -160,17 +148,6 @@ def client_row(reply: Message, status: str) -> dict[str, Any]:
         row["partition_id"] = int(metrics["partition-id"])
         row["client"] = str(row["partition_id"])
     return row | {k.replace("-", "_"): v for k, v in metrics.items() if k != "partition-id"}
-
-
-def with_dtypes_of(record: ArrayRecord, reference: ArrayRecord) -> ArrayRecord:
-    """Return ``record`` with each array cast to ``reference``'s dtype (integers rounded)."""
-    arrays = {}
-    for key, array in record.items():
-        values, dtype = array.numpy(), reference[key].numpy().dtype
-        if np.issubdtype(dtype, np.integer):
-            values = np.rint(values)
-        arrays[key] = Array(np.asarray(values).astype(dtype, copy=False))
-    return ArrayRecord(arrays)
 
 
 def aggregate_split_metrics(records: list[RecordDict], weighting_key: str) -> MetricRecord:

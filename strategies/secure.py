@@ -55,8 +55,8 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 
 from splitlearn.config import AggregationConfig
+from splitlearn.messages import ROUND_KEY, STATUS_KEY, with_dtypes_of
 from strategies.grids import GridWrapper
-from strategies.reporting import ROUND_KEY, STATUS_KEY, with_dtypes_of
 
 #: Why a device that trained still has no weights in the round (the log says more).
 HALTED_REASON = "no weights through secure aggregation this round: {why}"

@@ -18,24 +18,15 @@ for all this is the plain chain (each client starts from the last one's weights)
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from splitlearn.config import StrategyConfig
-from splitlearn.wire import record_to_state, state_to_record
+from splitlearn.messages import record_to_state, state_to_record
 from strategies.grids import GridWrapper
 from strategies.reporting import arrays_problem, reply_status
 from strategies.splitfed import SplitFed
-
-
-@dataclass
-class SequentialOptions(StrategyConfig):
-    """Sequential split learning; ``round_timeout_s`` bounds each client's turn."""
-
-    name: str = "sequential"
 
 
 class TurnByTurnGrid(GridWrapper):

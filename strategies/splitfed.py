@@ -17,10 +17,9 @@ from typing import Any, Protocol
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
-from splitlearn.config import StrategyConfig
 from splitlearn.dataplane import TokenRegistry
+from splitlearn.messages import record_to_state, stages_outside, state_to_record
 from splitlearn.planning.cost import Assignment
-from splitlearn.wire import record_to_state, stages_outside, state_to_record
 from strategies.adaptive import CutPlanning
 from strategies.node_keys import NodeKeys
 from strategies.reporting import ReportingFedAvg, reply_metrics
@@ -63,22 +62,6 @@ class TrunkSide(Protocol):
     def finish_round(self, finished: Iterable[str]) -> None:
         """Settle the round on the trunk for the clients (node ids) that finished."""
         ...
-
-
-@dataclass
-class SplitFedV2Options(StrategyConfig):
-    """SplitFed v2: one shared trunk, a step per batch as activations arrive."""
-
-    name: str = "splitfed_v2"
-    batch_concurrent: bool = False  # one trunk step over the batches of connected clients
-    barrier_timeout_s: float = 0.05  # longest a batch waits for the others' batches
-
-
-@dataclass
-class SplitFedV1Options(StrategyConfig):
-    """SplitFed v1: a trunk copy per client, merged over those that finished."""
-
-    name: str = "splitfed_v1"
 
 
 class SplitFed(ReportingFedAvg):

@@ -71,7 +71,7 @@ def start_trunk_server(
     protocol: str = "splitfed_v2",
     options: StrategyConfig | None = None,
     lr: float = 0.1,
-    limits: DataPlaneConfig | None = None,
+    dataplane: DataPlaneConfig | None = None,
     handler: Callable[[Trunk, DataPlaneConfig], SessionHandler] | None = None,
     channels_last: bool | None = None,
     **service_kwargs,
@@ -82,15 +82,15 @@ def start_trunk_server(
     """
     server_model = copy.deepcopy(model)
     trunk = Trunk(server_model, lr=lr, channels_last=channels_last)
-    limits = limits or DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64)
+    dataplane = dataplane or DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64)
     spec = protocol_named(protocol)
     if handler is not None:
-        session_handler = handler(trunk, limits)
+        session_handler = handler(trunk, dataplane)
     else:
         assert spec.trunk is not None
-        session_handler = spec.trunk(trunk, options or spec.options(), limits)
+        session_handler = spec.trunk(trunk, options or spec.options(), dataplane)
     tokens = TokenRegistry()
-    endpoint = TrunkEndpoint({protocol: session_handler}, tokens, limits=limits)
+    endpoint = TrunkEndpoint({protocol: session_handler}, tokens, dataplane=dataplane)
     service = TrunkService(endpoint, host="127.0.0.1", port=0, **service_kwargs)
     service.start()
     return TrunkServer(server_model, trunk, session_handler, tokens, endpoint, service, protocol)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from clients.app import node_key_reply
 from clients.loop import TrainReport, train_round
 from clients.steps.split import SplitStep
+from protocols.splitfed import SplitFedV2Options
 from splitlearn.config import PrivacyConfig, RunSpec
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.dataplane import trunk_pb2 as pb
@@ -23,7 +24,6 @@ from splitlearn.dataplane.node_keys import NODE_KEY_QUERY
 from splitlearn.models import SplittableModel
 from splitlearn.planning.cost import ClientState, CutCost
 from splitlearn.privacy import ClientPrivacy
-from strategies.splitfed import SplitFedV2Options
 
 
 def imports_in_a_fresh_process(code: str, module: str) -> bool:

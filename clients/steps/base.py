@@ -57,8 +57,6 @@ class ClientStep:
     exchanges_per_batch: ClassVar[int] = 1
     #: Whether the trunk's gradient at the cut comes back (local loss only sends).
     receives_gradient: ClassVar[bool] = True
-    #: Whether the device sends activations (activation privacy applies).
-    sends_activations: ClassVar[bool] = True
     #: Whether the step talks to the trunk over a data-plane channel.
     needs_channel: ClassVar[bool] = True
     #: Training batches per round whose memory is measured (the first ones): every

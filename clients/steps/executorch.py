@@ -1,10 +1,11 @@
 """The split step with the device's stages trained by ExecuTorch's runtime (``devices.runtime``).
 
-With ``devices.runtime=executorch`` a split protocol's client (SplitFed v1/v2, sequential
-SL) trains its stages through the exported ExecuTorch program
-(:class:`clients.executorch_step.ExecuTorchBottom`): the ``.pte`` a device without Python
+With ``devices.runtime=executorch`` the device of a protocol whose device step is the split
+step (its capabilities list the ``executorch`` runtime) trains its stages through the
+exported ExecuTorch program (:class:`clients.executorch_program.ExecuTorchBottom`): the
+``.pte`` a device without Python
 PyTorch runs. The programs (one per batch shape) are exported once per process and kept
-(:data:`clients.executorch_step.PROGRAMS`, keyed by the model's architecture and settings,
+(:data:`clients.executorch_program.PROGRAMS`, keyed by the model's architecture and settings,
 the cut and the batch shape): each round borrows them, writes the weights it received into
 them, steps them with a fresh ExecuTorch SGD at the run's lr, momentum and weight decay (no
 momentum carries across rounds, as the eager optimiser is made per round), and ends by
@@ -12,8 +13,8 @@ loading the trained weights back into the model, so the reply carries them, and 
 programs back. Evaluation stays eager PyTorch (no update, the same function).
 
 What the program does not do is refused rather than trained eagerly
-(:func:`executorch_refusal`, at composition and again on the device): other protocols'
-device sides, privacy that clips, noises or regularises what the device computes,
+(:func:`splitlearn.runtimes.executorch_refusal`, at composition and again on the device):
+other device steps, privacy that clips, noises or regularises what the device computes,
 activation checkpointing, and stages holding buffers (BatchNorm's running statistics,
 which the program does not update).
 
@@ -28,57 +29,17 @@ counts as the device's compute in the batch that needs the program.
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from clients.device import DeviceFailure
-from clients.executorch_step import ExecuTorchBottom
+from clients.executorch_program import ExecuTorchBottom
 from clients.steps.base import ClientStep
 from clients.steps.split import SplitStep
-from splitlearn.config import PrivacyConfig, RunSpec
+from protocols import Protocol, runtime_refusal
+from splitlearn.config import RunSpec
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.models import SplittableModel
-
-#: Protocols whose device side is the split step the exported program implements.
-EXECUTORCH_PROTOCOLS = ("splitfed_v1", "splitfed_v2", "sglr", "sequential")
-#: The setting every refusal names.
-RUNTIME_KEY = "devices.runtime=executorch"
-CHECKPOINT_REFUSAL = (f"{RUNTIME_KEY} with activation checkpointing: the program's memory is "
-                      "ExecuTorch's plan (use planner.checkpointing=false or "
-                      "devices.runtime=eager)")
-
-
-def executorch_refusal(protocol: str, privacy: PrivacyConfig, *, checkpoint: bool) -> str | None:
-    """Return why ExecuTorch's runtime cannot train this device side (None: it can).
-
-    Parameters
-    ----------
-    protocol : str
-        The run's ``strategy.name``.
-    privacy : PrivacyConfig
-        The device's privacy settings.
-    checkpoint : bool
-        Whether the device may be asked to checkpoint its activations.
-    """
-    if protocol not in EXECUTORCH_PROTOCOLS:
-        return (f"{RUNTIME_KEY} trains the split step of {list(EXECUTORCH_PROTOCOLS)}; "
-                f"strategy={protocol} has another device side (use devices.runtime=eager)")
-    if privacy.name != "none":
-        return (f"{RUNTIME_KEY} with privacy={privacy.name}: the exported program neither "
-                "clips nor noises (use privacy=none or devices.runtime=eager)")
-    if privacy.nopeek_weight:
-        return (f"{RUNTIME_KEY} with privacy.nopeek_weight={privacy.nopeek_weight}: the "
-                "exported program has no NoPeek term (use devices.runtime=eager)")
-    return CHECKPOINT_REFUSAL if checkpoint else None
-
-
-def bottom_refusal(bottom: nn.Module) -> str | None:
-    """Return why the exported program cannot train ``bottom`` (None: it can)."""
-    buffers = [name for name, _ in bottom.named_buffers()]
-    if buffers:
-        return (f"{RUNTIME_KEY}: the device's stages hold buffers {buffers[:3]} (e.g. "
-                "BatchNorm's running statistics), which the exported program does not "
-                "update (use devices.runtime=eager or another cut)")
-    return None
+from splitlearn.runtimes import CHECKPOINT_REFUSAL, bottom_refusal, executorch_refusal
 
 
 def model_settings(spec: RunSpec) -> str:
@@ -88,9 +49,12 @@ def model_settings(spec: RunSpec) -> str:
     return repr((model.name, model._target_, options, dataset.name, dataset.image_size))
 
 
-def client_step_type(protocol: str, client: type[ClientStep], spec: RunSpec, *,
-                     checkpoint: bool) -> type[ClientStep]:
+def client_step_type(protocol: Protocol, spec: RunSpec, *, checkpoint: bool
+                     ) -> type[ClientStep]:
     """Return the step that trains this round's device side under ``spec.devices.runtime``.
+
+    ExecuTorch's program is the split step's device side: it serves every protocol whose
+    capabilities list the ``executorch`` runtime.
 
     Raises
     ------
@@ -98,8 +62,9 @@ def client_step_type(protocol: str, client: type[ClientStep], spec: RunSpec, *,
         The ExecuTorch runtime cannot honour the round (the reason names the option).
     """
     if spec.devices.runtime == "eager":
-        return client
-    refusal = executorch_refusal(protocol, spec.privacy, checkpoint=checkpoint)
+        return protocol.client
+    refusal = (runtime_refusal(protocol, spec.devices.runtime)
+               or executorch_refusal(spec.privacy, checkpoint=checkpoint))
     if refusal is not None:
         raise DeviceFailure(refusal)
     return ExecuTorchSplitStep

@@ -28,11 +28,9 @@ from splitlearn.calibration import client_train_memory_bytes
 from splitlearn.config import CompressionConfig, RunSpec, StrategyConfig
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.dataplane.channel import DEFAULT_WINDOW
+from splitlearn.messages import SMASHED_RECORD_KEY
 from splitlearn.models import SplittableModel
 from splitlearn.split import load_bottom_state
-
-#: Reply key of the ArrayRecord that carries a round's smashed data in bulk mode.
-SMASHED_RECORD_KEY = "smashed"
 
 
 class LocalLossStep(ClientStep):
@@ -149,23 +147,3 @@ class LocalLossStep(ClientStep):
             "batch-sizes": torch.tensor([len(lb) for _, lb in self._kept], dtype=torch.int64),
         }}
 
-
-def unpack_smashed(arrays: Mapping[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
-    """Split a bulk payload back into its batches (structure only; values unchecked).
-
-    Raises
-    ------
-    ValueError
-        If a tensor is missing or the batch sizes do not add up to the rows.
-    """
-    missing = sorted({"activations", "labels", "batch-sizes"} - set(arrays))
-    if missing:
-        raise ValueError(f"smashed payload lacks {missing}")
-    acts, labels = arrays["activations"], arrays["labels"]
-    counts = [int(n) for n in arrays["batch-sizes"].reshape(-1).tolist()]
-    if any(n <= 0 for n in counts) or sum(counts) != len(acts) or len(labels) != len(acts):
-        raise ValueError(
-            f"smashed payload: batch sizes sum to {sum(counts)} (all must be > 0) for "
-            f"{len(acts)} activation rows and {len(labels)} labels"
-        )
-    return list(zip(acts.split(counts), labels.split(counts), strict=True))

@@ -22,7 +22,6 @@ class WholeModelStep(ClientStep):
     """Every stage on the device, trained on the local loss."""
 
     exchanges_per_batch = 0
-    sends_activations = False
     needs_channel = False
 
     def __init__(

@@ -33,7 +33,7 @@ class SGLRSession(BatchingSplitSession):
     ----------
     pool : SharedTrunk
         The shared trunk.
-    limits : DataPlaneConfig
+    dataplane : DataPlaneConfig
         Batch size and value bounds.
     timeout_s : float
         Longest a batch waits for the other attached sessions' batches.
@@ -42,10 +42,10 @@ class SGLRSession(BatchingSplitSession):
     """
 
     def __init__(
-        self, pool: SharedTrunk, *, limits: DataPlaneConfig, timeout_s: float,
+        self, pool: SharedTrunk, *, dataplane: DataPlaneConfig, timeout_s: float,
         server_lr_scale: float,
     ) -> None:
-        super().__init__(pool, limits=limits, timeout_s=timeout_s)
+        super().__init__(pool, dataplane=dataplane, timeout_s=timeout_s)
         self.server_lr_scale = server_lr_scale
 
     def step_group(self, cut: int, group: list[Slot]) -> list[StepResult]:
@@ -71,10 +71,10 @@ class SGLRSession(BatchingSplitSession):
         return results
 
 
-def sglr_sessions(trunk: Trunk, options: StrategyConfig, limits: DataPlaneConfig) -> SGLRSession:
+def sglr_sessions(trunk: Trunk, options: StrategyConfig, dataplane: DataPlaneConfig) -> SGLRSession:
     """SGLR sessions on the shared trunk."""
     return SGLRSession(
-        SharedTrunk(trunk), limits=limits,
+        SharedTrunk(trunk), dataplane=dataplane,
         timeout_s=options.barrier_timeout_s,  # type: ignore[attr-defined]
         server_lr_scale=options.server_lr_scale,  # type: ignore[attr-defined]
     )

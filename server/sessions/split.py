@@ -11,7 +11,7 @@ sequential SL). Which trunk a client trains is the pool's choice:
   dropped. Copies exist only while their client trains.
 
 Either pool merges the round per stage with the clients' copies
-(:mod:`server.sessions.merge`), so clients may hold different cuts.
+(:mod:`splitlearn.merge`), so clients may hold different cuts.
 
 :class:`BatchingSplitSession` (SplitFed v2 with ``batch_concurrent``) steps once
 over the batches of every attached session. Its barrier counts the sessions
@@ -31,14 +31,6 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from server.sessions.merge import (
-    StageCopy,
-    client_copy,
-    client_stages,
-    merge_stages,
-    stage_of,
-    trunk_copy,
-)
 from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane import trunk_pb2 as pb
@@ -65,6 +57,14 @@ from splitlearn.dataplane.feedback import (
     FeedbackBook,
     FeedbackFull,
     StaleFeedback,
+)
+from splitlearn.merge import (
+    StageCopy,
+    client_copy,
+    client_stages,
+    merge_stages,
+    stage_of,
+    trunk_copy,
 )
 
 
@@ -193,17 +193,17 @@ def train_on_batch(trunk: Trunk, cut: int, activations: Tensor, labels: Tensor) 
 
 def checked_batch(
     part: pb.Forward | pb.Evaluate | pb.Smashed, *, trunk: Trunk, cut: int,
-    limits: DataPlaneConfig,
+    dataplane: DataPlaneConfig,
 ) -> tuple[Tensor, Tensor]:
     """Decode a request's activations and labels, checked against the client's cut."""
     acts = check_activations(
         present(part, "activations"), cut_shape=trunk.cut_shape(cut),
-        max_batch=limits.max_batch, max_bytes=limits.max_frame_bytes,
-        max_abs=limits.max_abs_value,
+        max_batch=dataplane.max_batch, max_bytes=dataplane.max_frame_bytes,
+        max_abs=dataplane.max_abs_value,
     )
     labels = check_labels(
         present(part, "labels"), batch=len(acts), num_classes=trunk.num_classes,
-        max_bytes=limits.max_frame_bytes,
+        max_bytes=dataplane.max_frame_bytes,
     )
     return acts, labels
 
@@ -256,19 +256,19 @@ class SplitSession:
     ----------
     pool : SharedTrunk | TrunkPerClient
         Which trunk each client trains.
-    limits : DataPlaneConfig
+    dataplane : DataPlaneConfig
         Batch size and value bounds for the activations.
     """
 
-    def __init__(self, pool: SharedTrunk | TrunkPerClient, *, limits: DataPlaneConfig) -> None:
+    def __init__(self, pool: SharedTrunk | TrunkPerClient, *, dataplane: DataPlaneConfig) -> None:
         self.pool = pool
-        self.limits = limits
-        self._encode = encoder(limits.compression, "downlink")  # the gradient at the cut
+        self.dataplane = dataplane
+        self._encode = encoder(dataplane.compression, "downlink")  # the gradient at the cut
         #: The gradient's encoding and what the client will decode from it (error feedback).
         self._round_trip = partial(round_trip, self._encode, name="grad",
-                                   max_bytes=limits.max_frame_bytes)
+                                   max_bytes=dataplane.max_frame_bytes)
         #: Every client's per-example error feedback, kept across rounds (None: not used).
-        self.feedback = FeedbackBook.for_compression(limits.compression)
+        self.feedback = FeedbackBook.for_compression(dataplane.compression)
 
     def handle(self, session: Session, request: AnyRequest) -> AnyReply:
         """Validate the batch against the client's cut, then train or evaluate."""
@@ -280,11 +280,11 @@ class SplitSession:
         cut = session.grant.cut
         trunk = self.pool.trunk_for(session.grant.client)
         part = getattr(request, kind)
-        acts, labels = checked_batch(part, trunk=trunk, cut=cut, limits=self.limits)
+        acts, labels = checked_batch(part, trunk=trunk, cut=cut, dataplane=self.dataplane)
         if kind == "evaluate":
             return build(pb.Reply, metrics=evaluate_batch(trunk, cut, acts, labels))
         ids = example_ids(part, len(acts), feedback=self.feedback,
-                          max_bytes=self.limits.max_frame_bytes)
+                          max_bytes=self.dataplane.max_frame_bytes)
         if ids is not None:
             return self._train_with_feedback(session, trunk, acts, labels, ids, part)
         result = self.train(session, trunk, acts, labels)
@@ -303,7 +303,7 @@ class SplitSession:
         memory = prepare_feedback(self.feedback, client, ids, tuple(acts.shape[1:]), part)
         if memory.uplink is not None:
             acts = memory.uplink.reconstruct(ids, acts)
-            check_finite(acts, name="activations", max_abs=self.limits.max_abs_value)
+            check_finite(acts, name="activations", max_abs=self.dataplane.max_abs_value)
         result = self.train(session, trunk, acts, labels)
         if memory.uplink is not None:
             memory.uplink.commit(ids, acts)
@@ -333,7 +333,7 @@ class SplitSession:
     ) -> dict[str, Tensor]:
         """Merge the clients' ``(state, samples)`` with the trunk's copies, stage by stage.
 
-        Returns stages ``[0, upto)`` of the merged model (see :mod:`server.sessions.merge`).
+        Returns stages ``[0, upto)`` of the merged model (see :mod:`splitlearn.merge`).
         """
         return self.pool.merge_round([client_copy(s, n) for s, n in updates], upto=upto)
 
@@ -360,14 +360,14 @@ class BatchingSplitSession(SplitSession):
     ----------
     pool : SharedTrunk
         The shared trunk.
-    limits : DataPlaneConfig
+    dataplane : DataPlaneConfig
         As for :class:`SplitSession`.
     timeout_s : float
         Longest a batch waits for the other attached sessions' batches.
     """
 
-    def __init__(self, pool: SharedTrunk, *, limits: DataPlaneConfig, timeout_s: float) -> None:
-        super().__init__(pool, limits=limits)
+    def __init__(self, pool: SharedTrunk, *, dataplane: DataPlaneConfig, timeout_s: float) -> None:
+        super().__init__(pool, dataplane=dataplane)
         self.timeout_s = timeout_s
         self.attached = 0
         self.steps = 0  # combined steps taken
@@ -434,25 +434,26 @@ class BatchingSplitSession(SplitSession):
 
 
 
-def shared_sessions(trunk: Trunk, options: StrategyConfig, limits: DataPlaneConfig) -> SplitSession:
+def shared_sessions(trunk: Trunk, options: StrategyConfig, dataplane: DataPlaneConfig
+                    ) -> SplitSession:
     """Split sessions on one shared trunk (sequential SL)."""
-    return SplitSession(SharedTrunk(trunk), limits=limits)
+    return SplitSession(SharedTrunk(trunk), dataplane=dataplane)
 
 
 def per_client_sessions(
-    trunk: Trunk, options: StrategyConfig, limits: DataPlaneConfig
+    trunk: Trunk, options: StrategyConfig, dataplane: DataPlaneConfig
 ) -> SplitSession:
     """Split sessions on a trunk copy per client (SplitFed v1)."""
-    return SplitSession(TrunkPerClient(trunk), limits=limits)
+    return SplitSession(TrunkPerClient(trunk), dataplane=dataplane)
 
 
 def splitfed_v2_sessions(
-    trunk: Trunk, options: StrategyConfig, limits: DataPlaneConfig
+    trunk: Trunk, options: StrategyConfig, dataplane: DataPlaneConfig
 ) -> SplitSession:
     """Split sessions on the shared trunk, batched over connected clients if asked."""
     if options.batch_concurrent:  # type: ignore[attr-defined]
         return BatchingSplitSession(
-            SharedTrunk(trunk), limits=limits,
+            SharedTrunk(trunk), dataplane=dataplane,
             timeout_s=options.barrier_timeout_s,  # type: ignore[attr-defined]
         )
-    return SplitSession(SharedTrunk(trunk), limits=limits)
+    return SplitSession(SharedTrunk(trunk), dataplane=dataplane)

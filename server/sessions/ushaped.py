@@ -42,7 +42,6 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from server.sessions.merge import client_copy
 from server.sessions.split import SharedTrunk, example_ids, prepare_feedback, round_trip
 from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, StrategyConfig
@@ -62,6 +61,7 @@ from splitlearn.dataplane.codec import (
 )
 from splitlearn.dataplane.endpoint import Session
 from splitlearn.dataplane.feedback import ClientFeedback, FeedbackBook
+from splitlearn.merge import client_copy
 
 
 @dataclass
@@ -90,22 +90,22 @@ class UShapedSession:
         The shared trunk.
     tail_cut : int
         The trunk runs stages ``[cut, tail_cut)``; the device keeps the rest.
-    limits : DataPlaneConfig
+    dataplane : DataPlaneConfig
         Batch size and value bounds.
     """
 
-    def __init__(self, pool: SharedTrunk, *, tail_cut: int, limits: DataPlaneConfig) -> None:
+    def __init__(self, pool: SharedTrunk, *, tail_cut: int, dataplane: DataPlaneConfig) -> None:
         self.pool = pool
         self.trunk: Trunk = pool.trunk
         self.tail_cut = tail_cut
-        self.limits = limits
-        self._encode = encoder(limits.compression, "downlink")  # features and gradients
+        self.dataplane = dataplane
+        self._encode = encoder(dataplane.compression, "downlink")  # features and gradients
         #: Each one's encoding and what the device will decode from it (error feedback).
         self._round_trips = {name: partial(round_trip, self._encode, name=name,
-                                           max_bytes=limits.max_frame_bytes)
+                                           max_bytes=dataplane.max_frame_bytes)
                              for name in ("features", "grad")}
         #: Every client's per-example error feedback, kept across rounds (None: not used).
-        self.feedback = FeedbackBook.for_compression(limits.compression, features=True)
+        self.feedback = FeedbackBook.for_compression(dataplane.compression, features=True)
         self._pending: dict[str, Pending] = {}
         self._lock = threading.Lock()
         #: Forwards whose backward never came before the next forward.
@@ -145,15 +145,15 @@ class UShapedSession:
                              f"device: the {kind!r} frame carries labels")
         acts = check_activations(
             present(part, "activations"), cut_shape=self.trunk.cut_shape(cut),
-            max_batch=self.limits.max_batch, max_bytes=self.limits.max_frame_bytes,
-            max_abs=self.limits.max_abs_value,
+            max_batch=self.dataplane.max_batch, max_bytes=self.dataplane.max_frame_bytes,
+            max_abs=self.dataplane.max_abs_value,
         )
         if kind == "evaluate":
             with torch.no_grad(), self.trunk.forward_only(train=False):
                 features = self.trunk.run(acts, cut, self.tail_cut)
             return reply("features", features=self._encode(features))
         ids = example_ids(part, len(acts), feedback=self.feedback,
-                          max_bytes=self.limits.max_frame_bytes)
+                          max_bytes=self.dataplane.max_frame_bytes)
         if ids is not None:
             return self._forward_with_feedback(session, cut, acts, ids, part)
         features, replaced = self._forward(session, cut, acts)
@@ -168,7 +168,7 @@ class UShapedSession:
                                   feature_shape=tuple(self.trunk.cut_shape(self.tail_cut)))
         if memory.uplink is not None:
             acts = memory.uplink.reconstruct(ids, acts)
-            check_finite(acts, name="activations", max_abs=self.limits.max_abs_value)
+            check_finite(acts, name="activations", max_abs=self.dataplane.max_abs_value)
         features, replaced = self._forward(session, cut, acts, ids=ids, memory=memory)
         if memory.uplink is not None:
             memory.uplink.commit(ids, acts)
@@ -204,7 +204,7 @@ class UShapedSession:
                              "backward without a pending forward: send the batch's forward first")
         grad = check_gradient(
             present(backward, "grad"), shape=pending.features.shape,
-            max_bytes=self.limits.max_frame_bytes, max_abs=self.limits.max_abs_value,
+            max_bytes=self.dataplane.max_frame_bytes, max_abs=self.dataplane.max_abs_value,
         )
         with self._lock:
             if self._pending.pop(session.token, None) is not pending:
@@ -255,8 +255,8 @@ class UShapedSession:
 
 
 def ushaped_sessions(
-    trunk: Trunk, options: StrategyConfig, limits: DataPlaneConfig
+    trunk: Trunk, options: StrategyConfig, dataplane: DataPlaneConfig
 ) -> UShapedSession:
     """U-shaped sessions on the shared trunk, up to the configured tail cut."""
     tail_cut = options.tail_cut or trunk.model.num_stages - 1  # type: ignore[attr-defined]
-    return UShapedSession(SharedTrunk(trunk), tail_cut=tail_cut, limits=limits)
+    return UShapedSession(SharedTrunk(trunk), tail_cut=tail_cut, dataplane=dataplane)

@@ -300,6 +300,11 @@ class TrunkChannel:
         uplink, travel as differences from per-example references
         (:mod:`~splitlearn.dataplane.feedback`): :attr:`feedback`, which a device keeps
         between rounds.
+    last_seq : int
+        The sequence number the token's previous stream ended at (0: a new session). The
+        trunk refuses a request whose ``seq`` is not above the last it saw for the token
+        (``REPLAYED``), so a fresh channel that resumes a session starts above it; read it
+        off the previous channel's :attr:`last_seq`.
     """
 
     def __init__(
@@ -310,9 +315,12 @@ class TrunkChannel:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         window: int = DEFAULT_WINDOW,
         compression: CompressionConfig | None = None,
+        last_seq: int = 0,
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
+        if last_seq < 0:
+            raise ValueError(f"last_seq must be >= 0, got {last_seq}")
         self.transport = transport
         compression = compression or CompressionConfig()
         # The floats this device sends (activations; U-shaped: also the head's gradient).
@@ -333,7 +341,7 @@ class TrunkChannel:
         self.bytes_down = 0
         #: Seconds spent waiting for the trunk (sending, and for replies).
         self.wait_s = 0.0
-        self._seq = 0
+        self._seq = last_seq
         #: One-way requests sent and not acknowledged, oldest first (None: no error feedback).
         self._unacked: deque[_InFlight | None] = deque()
         #: Restarts of the references (a batch encoded before the last one is stale anyway).
@@ -364,6 +372,11 @@ class TrunkChannel:
         Each time the trunk found them stale or dropped them, or the cut moved.
         """
         return self._generation
+
+    @property
+    def last_seq(self) -> int:
+        """The sequence number of the last request sent (a resuming channel starts above it)."""
+        return self._seq
 
     def next_seq(self) -> int:
         """Take the next request sequence number (every request needs a fresh one)."""

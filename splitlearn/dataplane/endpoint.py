@@ -84,18 +84,18 @@ class TrunkEndpoint:
         Protocol name (as in a grant) -> its handler.
     tokens : TokenRegistry
         Checked on every frame; revocation closes the round's streams.
-    limits : DataPlaneConfig
+    dataplane : DataPlaneConfig
         What is accepted: frame and batch size, value bound, streams per token,
         idle timeout (the ``dataplane`` config group).
     """
 
     def __init__(
         self, handlers: Mapping[str, SessionHandler], tokens: TokenRegistry, *,
-        limits: DataPlaneConfig,
+        dataplane: DataPlaneConfig,
     ) -> None:
         self.handlers = dict(handlers)
         self.tokens = tokens
-        self.limits = limits
+        self.dataplane = dataplane
         #: Refused frames per peer (who sent them, not whom the token names).
         self.refusals: Counter[str] = Counter()
         self._sessions: dict[str, Session] = {}
@@ -134,7 +134,7 @@ class TrunkEndpoint:
                     raise SessionRefused("UNAUTHENTICATED", "node proof replayed: this nonce "
                                          "already opened a stream on this token")
                 session.nonces.add(proof_nonce(proof))
-            if len(session.streams) >= self.limits.streams_per_token:
+            if len(session.streams) >= self.dataplane.streams_per_token:
                 raise SessionRefused(
                     "RESOURCE_EXHAUSTED", f"this token already holds "
                     f"{len(session.streams)} stream(s), the limit"
@@ -178,7 +178,7 @@ class TrunkEndpoint:
                 raise FrameError(
                     Reason.TOKEN_REJECTED, "session token rejected: expired or revoked"
                 )
-            request = decode_request(data, max_bytes=self.limits.max_frame_bytes)
+            request = decode_request(data, max_bytes=self.dataplane.max_frame_bytes)
             seq = request.seq
             with self._lock:
                 if seq <= session.last_seq:
@@ -211,7 +211,7 @@ class TrunkEndpoint:
         with self._lock:
             stale = [
                 s for s in self._sessions.values()
-                if s.streams and (now - s.last_active > self.limits.idle_timeout_s
+                if s.streams and (now - s.last_active > self.dataplane.idle_timeout_s
                                   or self.tokens.lookup(s.token) is None)
             ]
         for session in stale:

@@ -19,7 +19,7 @@ each training batch (``Forward.example_ids``):
 
 U-shaped sessions (:mod:`server.sessions.ushaped`) also send the trunk's features as
 differences from references that both sides keep (the uplink rule, the other way).
-Local-loss sessions (:mod:`server.sessions.smashed`) use the uplink rule alone, with the
+Local-loss sessions (:mod:`server.sessions.local_loss`) use the uplink rule alone, with the
 references moving as a frame is sent and as it is queued, ahead of its ack.
 
 Both sides decode the same bytes with the same code, so their references agree bit

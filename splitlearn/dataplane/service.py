@@ -4,7 +4,7 @@ Frames travel as raw bytes and are parsed by the endpoint, so a frame that does
 not parse is refused with a reason instead of ending the stream. The service
 bounds what any client can hold: at most ``max_streams`` streams in all (more are
 refused at once with RESOURCE_EXHAUSTED rather than queued behind busy workers),
-at most ``limits.streams_per_token`` per token, and a watchdog closes streams that
+at most ``dataplane.streams_per_token`` per token, and a watchdog closes streams that
 are idle or whose token was revoked or expired.
 """
 
@@ -61,7 +61,7 @@ class TrunkService:
         watchdog_s: float = 1.0,
     ) -> None:
         self.endpoint = endpoint
-        limit = 2 * endpoint.limits.max_frame_bytes  # headroom: oversize gets a reasoned refusal
+        limit = 2 * endpoint.dataplane.max_frame_bytes  # headroom: oversize gets a reasoned refusal
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="trunk"),
             options=[

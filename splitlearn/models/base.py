@@ -253,7 +253,7 @@ class SplittableModel(nn.Module):
     #: Whether the server's trunk trains this network faster with its 4-D activations
     #: channels-last (NHWC) than in PyTorch's standard layout: on CPU, oneDNN's
     #: convolution kernels favour it for most convolution stacks, not for all.
-    #: Measured per network by ``python -m experiments.bench trunk``.
+    #: Measured per network by ``python -m benchmarks trunk``.
     channels_last: bool = False
 
     def __init__(

@@ -42,7 +42,7 @@ class SmallCNN(SplittableModel):
         pooling: about half a point better on digits in a quick check.
     """
 
-    channels_last = True  # its trunk steps 1.09x faster so (experiments.bench trunk)
+    channels_last = True  # its trunk steps 1.09x faster so (benchmarks trunk)
 
     def __init__(
         self,

@@ -109,7 +109,7 @@ class DenseNet(SplittableModel):
         Share of channels a transition keeps. Default 0.5 (the "C").
     """
 
-    channels_last = True  # its trunk steps 1.10x faster so (experiments.bench trunk)
+    channels_last = True  # its trunk steps 1.10x faster so (benchmarks trunk)
 
     def __init__(
         self,

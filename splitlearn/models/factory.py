@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from splitlearn.autosplit import AutoSplitModel, auto_split
 from splitlearn.config import DatasetConfig, ModelConfig
 from splitlearn.data import describe_dataset
 from splitlearn.models import SplittableModel, build_model
+from splitlearn.models.autosplit import AutoSplitModel, auto_split
 
 
 def build_model_from_config(
@@ -23,7 +23,7 @@ def build_model_from_config(
 
     With ``model._target_`` set, the class it names is instantiated the Hydra way
     (``hydra.utils.instantiate``) with ``model.options`` as keyword arguments, and
-    cut with :func:`~splitlearn.autosplit.auto_split` unless it is already a
+    cut with :func:`~splitlearn.models.autosplit.auto_split` unless it is already a
     :class:`SplittableModel`. The original module stays reachable through
     :func:`source_module` (its parameters are the split model's).
 

@@ -137,7 +137,7 @@ class MobileNetV2(SplittableModel):
         Dropout before the classifier. Default 0.2, torchvision's.
     """
 
-    channels_last = True  # its trunk steps 1.18x faster so (experiments.bench trunk)
+    channels_last = True  # its trunk steps 1.18x faster so (benchmarks trunk)
 
     def __init__(
         self,

@@ -103,7 +103,7 @@ class ResNet(SplittableModel):
     """
 
     # Its trunk steps 1.19x faster so at cut 1, ResNet-18's 1.04x at cut 2
-    # (python -m experiments.bench trunk).
+    # (python -m benchmarks trunk).
     channels_last = True
 
     def __init__(

@@ -2,16 +2,21 @@
 
 Nothing here imports torch or Flower: planners and the virtual clock reason
 about devices from these numbers alone. The shipped presets (with the source of
-every figure) live in ``conf/profiles/presets.yaml``.
+every figure) live in ``conf/devices/profiles/presets.yaml`` (:func:`preset_profiles`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from omegaconf import OmegaConf
+
+from splitlearn.config import CONF_DIR
 
 MBIT = 1_000_000 / 8  # bytes per second in one Mbit/s
 
@@ -167,3 +172,13 @@ def apply_traces(
             rtt_s=profile.rtt_s if event.rtt_s is None else event.rtt_s,
         )
     return profile
+
+
+#: The shipped device presets (``conf/devices/profiles/presets.yaml``).
+PRESETS_FILE = CONF_DIR / "devices" / "profiles" / "presets.yaml"
+
+
+@functools.cache
+def preset_profiles() -> dict[str, dict]:
+    """Return the shipped device presets by name (plain mappings; read once, do not modify)."""
+    return OmegaConf.to_container(OmegaConf.load(PRESETS_FILE))  # type: ignore[return-value]

@@ -276,22 +276,32 @@ import grpc, numpy as np
 import trunk_pb2 as pb, trunk_pb2_grpc as rpc
 
 address, token = sys.argv[1], sys.argv[2]
+seq = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 acts = np.load("acts.npy"); labels = np.load("labels.npy")
 def tensor(a, dtype):  # dtype + shape + little-endian bytes, as trunk.proto says
     return pb.Tensor(dtype=dtype, shape=list(a.shape), data=a.tobytes())
-request = pb.Request(seq=1, forward=pb.Forward(
+request = pb.Request(seq=seq, forward=pb.Forward(
     activations=tensor(acts, pb.FLOAT32), labels=tensor(labels, pb.INT64)))
 with grpc.insecure_channel(address) as channel:
-    reply = next(rpc.TrunkStub(channel).Exchange(
-        iter([request]), metadata=(("x-splitlearn-token", token),), timeout=30))
-grad = np.frombuffer(reply.gradient.grad.data, dtype=np.float32).reshape(
-    reply.gradient.grad.shape)
-print(json.dumps([reply.seq, reply.WhichOneof("kind"), list(grad.shape), reply.gradient.loss]))
+    try:
+        reply = next(rpc.TrunkStub(channel).Exchange(
+            iter([request]), metadata=(("x-splitlearn-token", token),), timeout=30))
+    except grpc.RpcError as err:  # the session itself refused (gRPC status)
+        print(json.dumps([seq, "status", err.code().name, 0.0]))
+        sys.exit(0)
+kind = reply.WhichOneof("kind")
+if kind == "gradient":
+    grad = np.frombuffer(reply.gradient.grad.data, dtype=np.float32).reshape(
+        reply.gradient.grad.shape)
+    np.save("grad.npy", grad)
+    print(json.dumps([reply.seq, kind, list(grad.shape), reply.gradient.loss]))
+else:
+    print(json.dumps([reply.seq, kind, pb.Refusal.Reason.Name(reply.refusal.reason), 0.0]))
 """
 
 
-def test_a_client_built_from_the_proto_alone_trains(trunk_server_factory, tmp_path):
-    """A native client's view: stubs generated from trunk.proto and nothing else of ours."""
+def run_native_client(tmp_path, address: str, token: str, acts, labels, *, seq: int = 1):
+    """Generate stubs from trunk.proto alone and send one forward from a fresh process."""
     import json
     import os
     import subprocess
@@ -301,25 +311,68 @@ def test_a_client_built_from_the_proto_alone_trains(trunk_server_factory, tmp_pa
     import numpy as np
     from grpc_tools import protoc
 
-    proto = Path(__file__).resolve().parents[2] / "splitlearn" / "dataplane" / "trunk.proto"
-    assert protoc.main(["protoc", f"-I{proto.parent}", f"--python_out={tmp_path}",
-                        f"--grpc_python_out={tmp_path}", str(proto)]) == 0
+    if not (tmp_path / "trunk_pb2.py").exists():
+        proto = Path(__file__).resolve().parents[2] / "splitlearn" / "dataplane" / "trunk.proto"
+        assert protoc.main(["protoc", f"-I{proto.parent}", f"--python_out={tmp_path}",
+                            f"--grpc_python_out={tmp_path}", str(proto)]) == 0
+        (tmp_path / "client.py").write_text(NATIVE_CLIENT)
+    np.save(tmp_path / "acts.npy", acts.numpy())
+    np.save(tmp_path / "labels.npy", labels.numpy())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of ours
+    done = subprocess.run([sys.executable, "client.py", address, token, str(seq)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_client_built_from_the_proto_alone_trains(trunk_server_factory, tmp_path):
+    """A native client's view: stubs generated from trunk.proto and nothing else of ours."""
     reference = digits_like_model("cnn")
     server = trunk_server_factory(reference)
     x, y = fixed_batches(1, batch=4)[0]
     acts = split(copy.deepcopy(reference), 1)[0](x).detach()
-    np.save(tmp_path / "acts.npy", acts.numpy())
-    np.save(tmp_path / "labels.npy", y.numpy())
-    (tmp_path / "client.py").write_text(NATIVE_CLIENT)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(
-        [sys.executable, "client.py", server.service.address, server.token(1)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    seq, kind, shape, loss = json.loads(done.stdout)
+    seq, kind, shape, loss = run_native_client(tmp_path, server.service.address,
+                                               server.token(1), acts, y)
     assert (seq, kind, shape) == (1, "gradient", list(acts.shape))
     assert loss > 0 and server.trunk.steps == 1
+
+
+def test_a_trunk_served_in_a_few_lines_trains_a_proto_client_as_the_whole_model_does(tmp_path):
+    """serve_trunk: one protocol's trunk from a model and its options, no Flower run.
+
+    The gradient the proto-only client gets is the whole model's at the cut, the trunk's
+    weights after the step are the whole model's after one SGD step, and a fresh stream
+    of the same token resumes above the last sequence number (a replay is refused).
+    """
+    import numpy as np
+
+    from protocols.splitfed import SplitFedV2Options
+    from server.standalone import serve_trunk
+    from splitlearn.config import DataPlaneConfig
+
+    model, reference = digits_like_model("cnn"), digits_like_model("cnn")
+    x, y = fixed_batches(1, batch=4)[0]
+    bottom, top = split(reference, 1)
+    acts = bottom(x).detach().requires_grad_()
+    torch.nn.functional.cross_entropy(top(acts), y).backward()
+    torch.optim.SGD(top.parameters(), lr=LR).step()
+    options = SplitFedV2Options(lr=LR, momentum=0.0)
+    with serve_trunk(model, options, DataPlaneConfig(channels_last=False)) as served:
+        token = served.grant("native-0", cut=1)
+        seq, kind, _, loss = run_native_client(tmp_path, served.address, token, acts.detach(), y)
+        assert (seq, kind) == (1, "gradient") and loss > 0
+        grad = torch.from_numpy(np.load(tmp_path / "grad.npy"))
+        assert torch.allclose(grad, acts.grad, atol=1e-6)
+        assert max_param_diff(served.trunk.model, reference) <= 1e-6
+        # A fresh stream of the same token: seq 1 again is a replay; above it resumes.
+        assert run_native_client(tmp_path, served.address, token, acts.detach(), y)[1:3] == [
+            "refusal", "REPLAYED"]
+        assert run_native_client(tmp_path, served.address, token, acts.detach(), y,
+                                 seq=2)[:2] == [2, "gradient"]
+        assert served.trunk.steps == 2
+        served.finish_round(["native-0"])
+        assert run_native_client(tmp_path, served.address, token, acts.detach(), y,
+                                 seq=3)[1:3] == ["status", "UNAUTHENTICATED"]
 
 
 def test_tls_trunk_serves_only_clients_that_verify_it(trunk_server_factory, tmp_path):

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from experiments.delay_relay import HOLD_BYTES, start_relay
+from benchmarks.delay_relay import HOLD_BYTES, start_relay
 
 DELAY_S = 0.05
 

@@ -3,7 +3,7 @@
 The reference is the eager split client (``SplitStep``) on the same batches against a
 trunk of its own: after several steps both clients' weights and both trunks agree.
 ``lenet5``'s bottom ends in MaxPool2d, whose backward ExecuTorch's portable kernel got
-wrong (see :mod:`clients.executorch_step`). The ClientApp's rounds borrow their programs from
+wrong (see :mod:`clients.executorch_program`). The ClientApp's rounds borrow their programs from
 the process's cache: round 2 reuses round 1's with the weights it received, and rounds running
 at once borrow programs of their own.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from clients.executorch_step import (
+from clients.executorch_program import (
     PROGRAMS,
     ExecuTorchBottom,
     ExecuTorchClientStep,

@@ -84,7 +84,7 @@ def test_streams_past_the_service_limit_are_refused_not_queued(trunk_server_fact
 def test_streams_close_when_idle_expired_or_revoked(trunk_server_factory):
     model = digits_like_model("cnn")
     server = trunk_server_factory(
-        model, limits=DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64, idle_timeout_s=0.3),
+        model, dataplane=DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64, idle_timeout_s=0.3),
         watchdog_s=0.05,
     )
     acts, y = batch_at(model, 1)
@@ -122,7 +122,7 @@ def test_a_stolen_token_gets_no_second_stream_and_its_refusals_are_not_the_owner
     owner.close()
     # With a second stream allowed, a thief's bad frames are booked against its own stream.
     lenient = trunk_server_factory(
-        model, limits=DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64, streams_per_token=2)
+        model, dataplane=DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64, streams_per_token=2)
     )
     token = lenient.token(1, client="owner")
     owner, thief = lenient.channel(token), lenient.channel(token)
@@ -168,7 +168,7 @@ def test_a_stalled_trunk_cannot_hang_a_client_or_the_shutdown(trunk_server_facto
             return super().handle(session, request)
 
     server = trunk_server_factory(
-        model, handler=lambda trunk, limits: Stalled(SharedTrunk(trunk), limits=limits)
+        model, handler=lambda trunk, dataplane: Stalled(SharedTrunk(trunk), dataplane=dataplane)
     )
     acts, y = batch_at(model, 1)
     channel = server.channel(server.token(1), reply_timeout_s=0.3)
@@ -186,7 +186,7 @@ def test_a_stalled_trunk_cannot_hang_a_client_or_the_shutdown(trunk_server_facto
 def test_extreme_values_never_reach_the_weights(trunk_server_factory):
     model = digits_like_model("cnn")
     unbounded = DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64, max_abs_value=float("inf"))
-    server = trunk_server_factory(model, limits=unbounded)
+    server = trunk_server_factory(model, dataplane=unbounded)
     acts, y = batch_at(model, 1)
     before = [p.detach().clone() for p in server.model.parameters()]
     channel = server.channel(server.token(1))

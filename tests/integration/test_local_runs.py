@@ -153,7 +153,7 @@ def test_error_feedback_keeps_each_devices_references_across_rounds():
     per frame, and it trains."""
     from clients.app import FEEDBACK_STATE_KEY
     from splitlearn.dataplane.feedback import ReferenceFeedback
-    from splitlearn.wire import record_to_state
+    from splitlearn.messages import record_to_state
 
     cfg = small_config("compression=topk_feedback", "strategy.num_rounds=3")
     history = run_local(cfg, grid_type=RememberedGrid).history
@@ -177,7 +177,7 @@ def test_ushaped_error_feedback_keeps_both_references_across_rounds():
     start-over from zero), a row per example each, and it trains."""
     from clients.app import FEATURE_FEEDBACK_STATE_KEY, FEEDBACK_STATE_KEY
     from splitlearn.dataplane.feedback import ReferenceFeedback
-    from splitlearn.wire import record_to_state
+    from splitlearn.messages import record_to_state
 
     cfg = small_config("strategy=ushaped", "strategy.num_rounds=3", "compression=topk_feedback",
                        "dataplane.compression.uplink=int8")
@@ -203,7 +203,7 @@ def test_ushaped_error_feedback_keeps_both_references_across_rounds():
 ])
 def test_bytes_moved_per_sample_are_the_closed_forms(strategy, uplink, downlink):
     """Measured bytes (data plane and weights, both ways) against splitlearn.communication."""
-    from protocols import tail_cut_of
+    from protocols import protocol_named, tail_cut_of
     from splitlearn.calibration import communication_sizes
     from splitlearn.communication import bytes_per_sample
     from splitlearn.config import to_object
@@ -218,12 +218,14 @@ def test_bytes_moved_per_sample_are_the_closed_forms(strategy, uplink, downlink)
     model = build_model_from_config(to_object(cfg.model), to_object(cfg.dataset))
     sizes = communication_sizes(model, cfg.model.cut,
                                 tail_cut=tail_cut_of(to_object(cfg.strategy), model))
-    predicted = bytes_per_sample(strategy, sizes, samples_per_client=1437 / cfg.num_clients,
+    protocol = protocol_named(strategy)
+    predicted = bytes_per_sample(protocol.capabilities.bytes_per_sample, sizes,
+                                 samples_per_client=1437 / cfg.num_clients,
                                  local_epochs=cfg.strategy.local_epochs, uplink=uplink,
                                  downlink=downlink)
-    # Framing is all the closed form leaves out: at most 64 bytes a frame, one request and
-    # one reply per batch (U-shaped: two of each); FedAvg's weights are exact.
-    frames = {"fedavg": 0, "ushaped": 4}.get(strategy, 2)
+    # Framing is all the closed form leaves out: at most 64 bytes a frame, a request and a
+    # reply per exchange (U-shaped: two a batch); FedAvg's weights are exact.
+    frames = 2 * protocol.client.exchanges_per_batch
     samples = 1437 / cfg.num_clients
     framing = 64 * frames * math.ceil(samples / cfg.strategy.batch_size) / samples
     assert 0 <= measured - predicted["total"] <= framing + 1e-9 * measured

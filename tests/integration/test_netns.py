@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from experiments.netns_bench import ShapedLink, dataplane_round, unavailable_reason
+from benchmarks.netns import ShapedLink, dataplane_round, unavailable_reason
 
 UPLINK_MBPS, DOWNLINK_MBPS = 8.0, 20.0
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s

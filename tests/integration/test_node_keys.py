@@ -15,7 +15,7 @@ from flwr.app import Message
 
 from experiments.local import LocalGrid, run_local
 from splitlearn.dataplane.node_keys import NODE_KEY_QUERY
-from strategies.reporting import ROUND_KEY
+from splitlearn.messages import ROUND_KEY
 from tests.conftest import small_config
 from tests.integration.test_simulation import read_clients
 

@@ -19,9 +19,9 @@ from server.app import (
 from splitlearn.dataplane import InProcessTransport, TrunkChannel
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor
+from splitlearn.messages import STATUS_KEY
 from splitlearn.privacy import compute_epsilon
 from splitlearn.privacy.ledger import load_ledger
-from strategies.reporting import STATUS_KEY
 from tests.conftest import small_config
 from tests.integration.test_simulation import read_clients
 from tests.integration.test_ushaped_dataplane import RecordingTransport

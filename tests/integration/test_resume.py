@@ -19,7 +19,7 @@ from experiments.local import LocalGrid, in_process_channels, run_local
 from server.app import run_training, start_runtime, stop_runtime
 from server.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from splitlearn.config import to_container
-from strategies.reporting import ROUND_KEY
+from splitlearn.messages import ROUND_KEY
 from tests.conftest import small_config
 from tests.integration.test_simulation import read_clients
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.rounds_bench import PARTS, clients_in_parallel, round_budget
+from benchmarks.rounds import PARTS, clients_in_parallel, round_budget
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import json
 
-from experiments.trunk_bench import bench_trunk
+from benchmarks.trunk import bench_trunk
 
 
 def test_the_suite_times_image_activations_and_lists_token_ones(tmp_path, capsys):

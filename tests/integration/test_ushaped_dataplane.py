@@ -11,13 +11,13 @@ import torch
 from clients.loop import train_round
 from clients.steps.ushaped import UShapedStep
 from experiments.local import LocalGrid
+from protocols.ushaped import UShapedOptions
 from splitlearn.config import PrivacyConfig, RunSpec
 from splitlearn.dataplane import TrunkRejected
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import encode_tensor
 from splitlearn.privacy import ClientPrivacy
 from splitlearn.split import split_u
-from strategies.ushaped import UShapedOptions
 from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import max_param_diff, send_raw, train_whole
 

@@ -11,6 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from hydra.errors import ConfigCompositionException
 
 from protocols import check_config, compose_config, cuts_in_play
+from protocols.splitfed import SplitFedV2Options
 from server.sessions.split import SharedTrunk, SplitSession
 from server.trunk import Trunk
 from splitlearn.calibration import cut_costs
@@ -22,15 +23,14 @@ from splitlearn.config import (
     to_object,
 )
 from splitlearn.dataplane import TokenRegistry
+from splitlearn.messages import ROUND_KEY, STATUS_KEY, record_to_state, state_to_record
 from splitlearn.models.factory import build_model_from_config
 from splitlearn.planning.cost import Assignment
 from splitlearn.planning.devices import DeviceProfile, apply_traces
 from splitlearn.planning.planners import RotatePlanner, SmartSplitPlanner
 from splitlearn.split import bottom_state
-from splitlearn.wire import record_to_state, state_to_record
 from strategies.adaptive import CutPlanning, prior_state
-from strategies.reporting import ROUND_KEY, STATUS_KEY
-from strategies.splitfed import DataPlaneAccess, SplitFed, SplitFedV2Options
+from strategies.splitfed import DataPlaneAccess, SplitFed
 from tests.conftest import digits_like_model
 from tests.helpers import ScriptedGrid
 
@@ -70,7 +70,7 @@ def make_splitfed(planner, *, model=None):
     strategy = SplitFed(
         protocol="splitfed_v2", spec=RunSpec(strategy=SplitFedV2Options()),
         dataplane=DataPlaneAccess(TokenRegistry(), "127.0.0.1:1", 60.0),
-        trunk=SplitSession(SharedTrunk(trunk), limits=DataPlaneConfig()), planning=planning,
+        trunk=SplitSession(SharedTrunk(trunk), dataplane=DataPlaneConfig()), planning=planning,
         min_available_nodes=1, min_train_nodes=1,
     )
     return strategy, model, trunk, planning
@@ -190,7 +190,7 @@ def test_traces_change_devices_from_their_round_on():
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["planner=dynsl", "strategy=ushaped", "planner.cuts=[1,4]"],
-     "cut 4 leaves the trunk no stage below the U-shaped tail cut 4"),
+     "cut 4 leaves the trunk no stage below the device's tail cut 4"),
     (["planner=greedy", "privacy=activation_gaussian", "model=resnet", "model.cut=2",
       "planner.cuts=[2,3]"], "model=resnet at cut 2: "),
     (["planner=dynsl", "planner.cuts=[1,9]"], "planner.cuts: invalid cut 9"),

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from splitlearn.autosplit import AutoSplitError, AutoSplitModel, auto_split, find_cut_points
 from splitlearn.models import SplittableModel, build_model
+from splitlearn.models.autosplit import AutoSplitError, AutoSplitModel, auto_split, find_cut_points
 from splitlearn.split import bottom_state, split
 
 

@@ -56,4 +56,4 @@ def test_a_resume_may_change_where_and_how_long_but_not_the_experiment():
     assert first_difference(saved, resumed | {"model": {"name": "cnn", "cut": 2}}) == "model.cut"
     assert first_difference(saved, resumed | {"strategy": {"num_rounds": 5, "lr": 0.1}}) == (
         "strategy.lr")
-    assert first_difference(saved, resumed | {"scenario": "dynamic"}) == "scenario"
+    assert first_difference(saved, resumed | {"num_clients": 3}) == "num_clients"

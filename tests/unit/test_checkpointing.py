@@ -19,13 +19,13 @@ from clients.steps.local_loss import LocalLossStep
 from clients.steps.split import SplitStep
 from clients.steps.ushaped import UShapedStep
 from clients.steps.whole import WholeModelStep
+from protocols.local_loss import LocalLossOptions
+from protocols.ushaped import UShapedOptions
 from splitlearn.calibration import TRAIN_TO_FORWARD_FLOPS, client_train_memory_bytes, cut_costs
 from splitlearn.config import RunSpec
 from splitlearn.models import SplittableModel
 from splitlearn.models.base import segment_memory_bytes_per_sample
 from splitlearn.models.lean import MaskReLU, mask_cut_relu
-from strategies.local_loss import LocalLossOptions
-from strategies.ushaped import UShapedOptions
 from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import plain_spec
 

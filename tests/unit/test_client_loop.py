@@ -15,23 +15,24 @@ from clients.app import ClientRound
 from clients.device import DeviceDeadline
 from clients.loop import evaluate_round, train_round
 from clients.steps.base import ClientStep
-from clients.steps.local_loss import SMASHED_RECORD_KEY, LocalLossStep
+from clients.steps.local_loss import LocalLossStep
 from clients.steps.split import SplitStep
 from clients.steps.ushaped import UShapedStep
 from clients.steps.whole import WholeModelStep
 from protocols import PROTOCOLS
+from protocols.fedavg import FedAvgOptions
+from protocols.local_loss import LocalLossOptions
+from protocols.splitfed import SplitFedV2Options
+from protocols.ushaped import UShapedOptions
 from server.sessions.split import splitfed_v2_sessions
 from splitlearn.config import PrivacyConfig, RunSpec
 from splitlearn.dataplane import InProcessTransport, TrunkChannel, TrunkEndpoint
 from splitlearn.dataplane import trunk_pb2 as pb
+from splitlearn.messages import SMASHED_RECORD_KEY
 from splitlearn.planning.clock import ClientMeasurement
 from splitlearn.planning.devices import DeviceProfile
 from splitlearn.privacy import ClientPrivacy, make_client_privacy
 from splitlearn.split import split
-from strategies.local_loss import LocalLossOptions
-from strategies.reporting import FedAvgOptions
-from strategies.splitfed import SplitFedV2Options
-from strategies.ushaped import UShapedOptions
 from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import max_param_diff, train_whole
 
@@ -106,7 +107,7 @@ def test_compute_excludes_the_time_waiting_for_the_trunk(trunk_server_factory):
     options = SplitFedV2Options(lr=0.1)
     server = trunk_server_factory(
         digits_like_model(), options=options,
-        handler=lambda trunk, limits: SlowTrunk(splitfed_v2_sessions(trunk, options, limits),
+        handler=lambda trunk, dataplane: SlowTrunk(splitfed_v2_sessions(trunk, options, dataplane),
                                                 gate, hold_s=0.02),
     )
     model = digits_like_model()

@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 
 from clients.device import DeviceFailure
-from clients.executorch_step import architecture
+from clients.executorch_program import architecture
 from clients.steps.executorch import ExecuTorchSplitStep, client_step_type, model_settings
 from clients.steps.split import SplitStep
-from clients.steps.ushaped import UShapedStep
-from protocols import check_config, compose_config
+from protocols import PROTOCOLS, check_config, compose_config, protocol_named
 from splitlearn.config import DevicesConfig, PrivacyConfig, RunSpec
 from splitlearn.models import build_model
 from tests.conftest import digits_like_model
@@ -22,9 +21,9 @@ from tests.conftest import digits_like_model
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["devices.runtime=tflite"], "devices.runtime='tflite'; accepted: ['eager', 'executorch']"),
-    (["strategy=ushaped"], "strategy=ushaped has another device side"),
-    (["strategy=local_loss"], "strategy=local_loss has another device side"),
-    (["strategy=fedavg"], "strategy=fedavg has another device side"),
+    (["strategy=ushaped"], "strategy=ushaped has another device step"),
+    (["strategy=local_loss"], "strategy=local_loss has another device step"),
+    (["strategy=fedavg"], "strategy=fedavg has another device step"),
     (["privacy=activation_gaussian", "privacy.noise_multiplier=0.5"],
      "with privacy=activation_gaussian"),
     (["privacy=dpsgd_client", "privacy.noise_multiplier=1.0"], "with privacy=dpsgd_client"),
@@ -56,21 +55,35 @@ def executorch_spec(**privacy) -> RunSpec:
     return RunSpec(devices=DevicesConfig(runtime="executorch"), privacy=PrivacyConfig(**privacy))
 
 
-def test_a_device_picks_the_step_its_runtime_names():
-    assert client_step_type("splitfed_v1", SplitStep, RunSpec(), checkpoint=False) is SplitStep
-    assert client_step_type("splitfed_v1", SplitStep, executorch_spec(),
-                            checkpoint=False) is ExecuTorchSplitStep
+@pytest.mark.parametrize("name", sorted(PROTOCOLS))
+def test_a_device_picks_the_step_its_runtime_names(name):
+    protocol = protocol_named(name)
+    assert client_step_type(protocol, RunSpec(), checkpoint=False) is protocol.client
+    if "executorch" not in protocol.capabilities.runtimes:
+        with pytest.raises(DeviceFailure, match=f"strategy={name} has another device step"):
+            client_step_type(protocol, executorch_spec(), checkpoint=False)
+        return
+    # The program is the split step's device side: a protocol may list the runtime only
+    # if its device step is the split step.
+    assert issubclass(protocol.client, SplitStep)
+    assert client_step_type(protocol, executorch_spec(), checkpoint=False) is ExecuTorchSplitStep
 
 
-@pytest.mark.parametrize(("protocol", "client", "spec", "checkpoint", "message"), [
-    ("ushaped", UShapedStep, executorch_spec(), False, "strategy=ushaped"),
-    ("splitfed_v2", SplitStep, executorch_spec(nopeek_weight=0.5), False, "nopeek_weight=0.5"),
-    ("splitfed_v2", SplitStep, executorch_spec(), True, "activation checkpointing"),
+def test_every_protocol_whose_device_step_is_the_split_step_runs_on_the_program():
+    served = sorted(n for n, p in PROTOCOLS.items() if "executorch" in p.capabilities.runtimes)
+    split = sorted(n for n, p in PROTOCOLS.items() if p.client is SplitStep)
+    assert served == split and "sglr" in served
+
+
+@pytest.mark.parametrize(("protocol", "spec", "checkpoint", "message"), [
+    ("ushaped", executorch_spec(), False, "strategy=ushaped"),
+    ("splitfed_v2", executorch_spec(nopeek_weight=0.5), False, "nopeek_weight=0.5"),
+    ("splitfed_v2", executorch_spec(), True, "activation checkpointing"),
 ], ids=["protocol", "nopeek", "checkpoint"])
-def test_a_device_handed_a_round_the_program_cannot_train_refuses_it(protocol, client, spec,
-                                                                     checkpoint, message):
+def test_a_device_handed_a_round_the_program_cannot_train_refuses_it(protocol, spec, checkpoint,
+                                                                     message):
     with pytest.raises(DeviceFailure, match=message):
-        client_step_type(protocol, client, spec, checkpoint=checkpoint)
+        client_step_type(protocol_named(protocol), spec, checkpoint=checkpoint)
 
 
 def test_a_device_refuses_stages_with_buffers():

@@ -113,12 +113,12 @@ def fuzz_endpoint(protocol: str = "splitfed_v2", *,
     spec = protocol_named(protocol)
     assert spec.trunk is not None
     trunk = Trunk(copy.deepcopy(digits_like_model("cnn")), lr=0.1)
-    limits = DataPlaneConfig(max_frame_bytes=MAX, max_batch=16,
+    dataplane = DataPlaneConfig(max_frame_bytes=MAX, max_batch=16,
                              compression=compression or CompressionConfig())
     options = spec.options(tail_cut=3) if protocol == "ushaped" else spec.options()
     tokens = TokenRegistry()
-    endpoint = TrunkEndpoint({protocol: spec.trunk(trunk, options, limits)}, tokens,
-                             limits=limits)
+    endpoint = TrunkEndpoint({protocol: spec.trunk(trunk, options, dataplane)}, tokens,
+                             dataplane=dataplane)
     token = tokens.issue(client="fuzzer", protocol=protocol, cut=1, server_round=1, ttl_s=600)
     session, _ = endpoint.attach(token, cancel=lambda: None)
     return endpoint, session, trunk

@@ -10,6 +10,10 @@ from splitlearn.communication import (
     bytes_per_sample,
     encoded_row_bytes,
     fedavg_break_even,
+    split_bytes,
+    split_with_tail_bytes,
+    upload_only_bytes,
+    whole_model_bytes,
 )
 
 SIZES = Sizes(cut_entries=2048, client_param_bytes=1280, model_param_bytes=638_504,
@@ -29,28 +33,31 @@ def test_row_sizes_per_encoding():
 
 
 def test_split_learning_per_sample_is_both_directions_the_label_and_the_weights():
-    got = bytes_per_sample("splitfed_v2", SIZES, samples_per_client=100, local_epochs=2)
+    got = bytes_per_sample(split_bytes, SIZES, samples_per_client=100, local_epochs=2)
     assert got["data_plane"] == 8192 + 8 + 8192
     assert got["weights"] == pytest.approx(2 * (1280 + 2 * ARRAY_HEADER_BYTES) / 200)
     assert got["total"] == got["data_plane"] + got["weights"]
-    local = bytes_per_sample("local_loss", SIZES, samples_per_client=100)
+    local = bytes_per_sample(upload_only_bytes, SIZES, samples_per_client=100)
     assert local["data_plane"] == 8192 + 8  # no gradient comes back
+    tail = Sizes(cut_entries=2048, client_param_bytes=1280, model_param_bytes=638_504,
+                 tail_entries=64)
+    with_tail = bytes_per_sample(split_with_tail_bytes, tail, samples_per_client=100,
+                                 uplink="float16")
+    assert with_tail["data_plane"] == 4096 + 8192 + 64 * 4 + 64 * 2  # no label; up is float16
 
 
 def test_fedavg_and_splitfed_cost_the_same_at_the_break_even():
     n = fedavg_break_even(SIZES)
-    fedavg = bytes_per_sample("fedavg", SIZES, samples_per_client=n)["total"]
-    splitfed = bytes_per_sample("splitfed_v2", SIZES, samples_per_client=n)["total"]
+    fedavg = bytes_per_sample(whole_model_bytes, SIZES, samples_per_client=n)["total"]
+    splitfed = bytes_per_sample(split_bytes, SIZES, samples_per_client=n)["total"]
     assert fedavg == pytest.approx(splitfed)
-    assert bytes_per_sample("fedavg", SIZES, samples_per_client=2 * n)["total"] < (
-        bytes_per_sample("splitfed_v2", SIZES, samples_per_client=2 * n)["total"])
+    assert bytes_per_sample(whole_model_bytes, SIZES, samples_per_client=2 * n)["total"] < (
+        bytes_per_sample(split_bytes, SIZES, samples_per_client=2 * n)["total"])
     assert fedavg_break_even(SIZES, uplink="int8", downlink="int8") > 3.9 * n
 
 
-def test_unknown_protocols_and_encodings_and_no_samples_are_refused():
-    with pytest.raises(ValueError, match="no closed form"):
-        bytes_per_sample("gossip", SIZES, samples_per_client=10)
+def test_unknown_encodings_and_no_samples_are_refused():
     with pytest.raises(ValueError, match="unknown compression"):
-        encoded_row_bytes(10, "zip")
+        bytes_per_sample(split_bytes, SIZES, samples_per_client=10, uplink="zip")
     with pytest.raises(ValueError, match="need training samples"):
-        bytes_per_sample("fedavg", SIZES, samples_per_client=0)
+        bytes_per_sample(whole_model_bytes, SIZES, samples_per_client=0)

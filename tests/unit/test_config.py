@@ -8,6 +8,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from protocols import PROTOCOLS, check_config, compose_config
+from protocols.local_loss import LocalLossOptions
+from protocols.splitfed import SplitFedV2Options
+from protocols.ushaped import UShapedOptions
 from splitlearn.config import (
     CONF_DIR,
     Config,
@@ -22,9 +25,6 @@ from splitlearn.config import (
     encode_spec,
     run_spec,
 )
-from strategies.local_loss import LocalLossOptions
-from strategies.splitfed import SplitFedV2Options
-from strategies.ushaped import UShapedOptions
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "scenario")
 
@@ -67,7 +67,7 @@ def test_every_group_option_composes_and_passes_preflight(override):
 @pytest.mark.parametrize("scenario", options("scenario"))
 def test_every_scenario_composes_and_passes_preflight(scenario):
     cfg = compose_config([f"+scenario={scenario}"])
-    assert cfg.scenario == scenario
+    assert cfg != compose_config([])  # the scenario changes the run
     cfg.run_dir = "unused"
     check_config(cfg)
 
@@ -331,3 +331,20 @@ def test_trunk_tls_reaches_the_run_spec_with_its_ca(tmp_path):
     assert decode_spec(encode_spec(spec), strategy=SplitFedV2Options) == spec
     plain = run_spec(composed(), host_flops_per_s=0.0)
     assert not plain.trunk_tls and plain.trunk_root_certificates == ""
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["+strategy.num_round=1"], "'strategy.num_round'.*did you mean strategy.num_rounds"),
+    (["+model.dropout=0.5"], "'model.dropout'"),
+    (["+seeed=3"], "'seeed'.*did you mean seed"),
+    (["strategy=local_loss", "+strategy.tail_cut=2"], "'strategy.tail_cut'"),
+], ids=["typo", "no-such-key", "root", "another-protocols-option"])
+def test_a_key_added_with_plus_that_no_schema_has_fails_at_composition(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        compose_config(overrides)
+
+
+def test_keys_a_schema_declares_open_or_optional_are_accepted_with_plus():
+    cfg = compose_config(["+model.options.width=2", "+privacy.label_epsilon=2.0",
+                          "strategy=ushaped", "strategy.tail_cut=3"])
+    assert cfg.model.options.width == 2 and cfg.strategy.tail_cut == 3

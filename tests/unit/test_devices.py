@@ -21,6 +21,8 @@ from clients.loop import train_round
 from clients.steps.split import SplitStep
 from clients.steps.ushaped import UShapedStep
 from protocols import compose_config
+from protocols.splitfed import SplitFedV2Options
+from protocols.ushaped import UShapedOptions
 from splitlearn.config import PrivacyConfig, RunSpec, run_spec, to_container
 from splitlearn.models.factory import build_model_from_config
 from splitlearn.planning.clock import (
@@ -37,8 +39,6 @@ from splitlearn.planning.devices import (
     mix_counts,
 )
 from splitlearn.privacy import ClientPrivacy
-from strategies.splitfed import SplitFedV2Options
-from strategies.ushaped import UShapedOptions
 from tests.conftest import digits_like_model, fixed_batches
 
 PHONE = DeviceProfile(

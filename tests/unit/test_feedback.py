@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from protocols import protocol_named
+from protocols.ushaped import UShapedOptions
 from server.trunk import Trunk
 from splitlearn.config import CompressionConfig, DataPlaneConfig, RunSpec
 from splitlearn.dataplane import TokenRegistry, TrunkEndpoint, TrunkRejected
@@ -27,7 +28,6 @@ from splitlearn.dataplane.feedback import (
     ResidualFeedback,
     StaleFeedback,
 )
-from strategies.ushaped import UShapedOptions
 from tests.conftest import digits_like_model
 from tests.helpers import RecordingSends, send_raw
 
@@ -128,7 +128,7 @@ def test_downlink_feedback_delivers_every_gradient_in_the_end():
 # --- device and trunk over the data plane -----------------------------------------
 
 
-def limits(compression: CompressionConfig, **kw) -> DataPlaneConfig:
+def dataplane(compression: CompressionConfig, **kw) -> DataPlaneConfig:
     return DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64, compression=compression, **kw)
 
 
@@ -162,7 +162,7 @@ def across_rounds(server, compression: CompressionConfig):
 ])
 def test_device_and_trunk_hold_the_same_references_bit_for_bit_across_rounds(
         compression, trunk_server_factory):
-    server = trunk_server_factory(digits_like_model(), limits=limits(compression))
+    server = trunk_server_factory(digits_like_model(), dataplane=dataplane(compression))
     for _, batches, channel in across_rounds(server, compression):
         for seed, ids in enumerate(batches):
             acts, labels, example_ids = batch(seed, ids)
@@ -183,7 +183,7 @@ def test_device_and_trunk_hold_the_same_references_bit_for_bit_across_rounds(
 def test_a_device_behind_the_trunk_is_refused_as_stale_and_starts_over_from_zero(
         trunk_server_factory):
     """A round the device did not finish moved the trunk's references, not the device's."""
-    server = trunk_server_factory(digits_like_model(), limits=limits(TOPK))
+    server = trunk_server_factory(digits_like_model(), dataplane=dataplane(TOPK))
     first = server.local_channel(server.token(CUT), compression=TOPK)
     acts, labels, ids = batch(0, [0, 1, 2, 3])
     first.forward(acts, labels, example_ids=ids)
@@ -210,7 +210,7 @@ def budgeted(factory, rows: float, clients: str):
     """A trunk keeping uplink references for ``rows`` rows in all, and a channel per client."""
     compression = CompressionConfig(uplink="topk", downlink="none", error_feedback=True,
                                     feedback_max_mib=rows * ROW / 2**20)
-    server = factory(digits_like_model(), limits=limits(compression))
+    server = factory(digits_like_model(), dataplane=dataplane(compression))
     return server, {c: server.local_channel(server.token(CUT, client=c), compression=TOPK)
                     for c in clients}
 
@@ -256,7 +256,7 @@ def test_a_client_flooding_ids_drops_its_own_rows_and_is_told_so(trunk_server_fa
 def test_memory_moved_to_another_trunk_carries_on_where_it_was(trunk_server_factory):
     """What trunk workers do with a client dealt elsewhere: the next batch is not stale, and
     the new trunk trains on the references and residuals the first one left."""
-    first, second = (trunk_server_factory(digits_like_model(), limits=limits(TOPK))
+    first, second = (trunk_server_factory(digits_like_model(), dataplane=dataplane(TOPK))
                      for _ in range(2))
     channel = first.local_channel(first.token(CUT, client="a"), compression=TOPK)
     acts, labels, ids = batch(0, [0, 1, 2, 3])
@@ -280,7 +280,7 @@ def test_memory_moved_to_another_trunk_carries_on_where_it_was(trunk_server_fact
 
 def test_a_new_cut_starts_the_references_over(trunk_server_factory):
     """An adaptive planner moved the device's cut: rows of the old shape are not reused."""
-    server = trunk_server_factory(digits_like_model(), limits=limits(TOPK))
+    server = trunk_server_factory(digits_like_model(), dataplane=dataplane(TOPK))
     model = digits_like_model()
     channel = server.local_channel(server.token(CUT), compression=TOPK)
     acts, labels, ids = batch(0, [0, 1, 2, 3])
@@ -304,7 +304,7 @@ def test_a_device_keeps_its_references_for_the_next_round_at_the_same_cut_only(
 
     from clients.app import _keep_feedback, _restore_feedback
 
-    server = trunk_server_factory(digits_like_model(), limits=limits(TOPK))
+    server = trunk_server_factory(digits_like_model(), dataplane=dataplane(TOPK))
     spec = RunSpec(compression=TOPK)
     node = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
     first = server.local_channel(server.token(CUT), compression=TOPK)
@@ -368,7 +368,7 @@ def test_references_survive_the_devices_context_and_a_smaller_bound_starts_over(
 
 
 def test_refused_frames_name_the_reason_and_change_nothing(trunk_server_factory):
-    server = trunk_server_factory(digits_like_model(), limits=limits(TOPK))
+    server = trunk_server_factory(digits_like_model(), dataplane=dataplane(TOPK))
     channel = server.local_channel(server.token(CUT), compression=TOPK)
     before = {k: v.clone() for k, v in server.trunk.model.state_dict().items()}
     acts, labels, ids = batch(0, [0, 1, 2, 3])
@@ -393,7 +393,8 @@ def test_refused_frames_name_the_reason_and_change_nothing(trunk_server_factory)
 
 def test_a_difference_beyond_the_bound_once_added_to_its_reference_is_refused(trunk_server_factory):
     """A device that sends its own differences cannot push the trunk's input past the bound."""
-    server = trunk_server_factory(digits_like_model(), limits=limits(TOPK, max_abs_value=100.0))
+    server = trunk_server_factory(digits_like_model(),
+                                  dataplane=dataplane(TOPK, max_abs_value=100.0))
     channel = server.local_channel(server.token(CUT), compression=TOPK)
     _, labels, ids = batch(0, [0, 1, 2, 3])
     channel.forward(torch.full((4, 32, 8, 8), 60.0), labels, example_ids=ids)
@@ -411,7 +412,7 @@ def test_a_difference_beyond_the_bound_once_added_to_its_reference_is_refused(tr
 def test_a_client_past_the_trunks_memory_bound_is_refused_before_it_steps(trunk_server_factory):
     compression = CompressionConfig(uplink="topk", downlink="topk", error_feedback=True,
                                     feedback_max_mib=12 * 8192 / 2**20)  # six rows each way
-    server = trunk_server_factory(digits_like_model(), limits=limits(compression))
+    server = trunk_server_factory(digits_like_model(), dataplane=dataplane(compression))
     token = server.token(CUT)
     channel = server.local_channel(token, compression=CompressionConfig(
         uplink="topk", downlink="topk", error_feedback=True))  # the device's bound is larger
@@ -436,7 +437,7 @@ def test_ids_to_a_trunk_without_error_feedback_are_refused(trunk_server_factory)
 
 
 def test_a_device_without_ids_is_stopped_before_sending(trunk_server_factory):
-    server = trunk_server_factory(digits_like_model(), limits=limits(TOPK))
+    server = trunk_server_factory(digits_like_model(), dataplane=dataplane(TOPK))
     channel = server.local_channel(server.token(CUT), compression=TOPK)
     acts, labels, _ = batch(0, [0, 1])
     with pytest.raises(ValueError, match="example_ids"):
@@ -470,7 +471,7 @@ def test_local_loss_counts_the_batches_it_keeps_after_sending_them(bulk, compres
     """Sent batches kept until acknowledged (to be sent again if stale) or, in bulk mode,
     until the Flower reply carries them: a float32 row and an int64 label each."""
     from clients.steps.local_loss import LocalLossStep
-    from strategies.local_loss import LocalLossOptions
+    from protocols.local_loss import LocalLossOptions
 
     options = LocalLossOptions(batch_size=32, local_epochs=2, bulk=bulk)
     local = LocalLossStep(digits_like_model(), RunSpec(strategy=options), cut=CUT)
@@ -484,7 +485,7 @@ def test_local_loss_counts_the_batches_it_keeps_after_sending_them(bulk, compres
 
 def ushaped_server(factory, compression: CompressionConfig):
     return factory(digits_like_model(), protocol="ushaped", options=UShapedOptions(), lr=0.1,
-                   limits=limits(compression))
+                   dataplane=dataplane(compression))
 
 
 def ushaped_batch(channel, seed: int, ids: list[int]) -> torch.Tensor:
@@ -583,7 +584,7 @@ def test_ushaped_refuses_ids_without_error_feedback_and_needs_them_with_it(
 
 
 def local_loss_server(factory, compression: CompressionConfig = TOPK):
-    return factory(digits_like_model(), protocol="local_loss", limits=limits(compression))
+    return factory(digits_like_model(), protocol="local_loss", dataplane=dataplane(compression))
 
 
 def stream(channel, batches: list[list[int]], *, seed: int = 0) -> None:
@@ -716,9 +717,10 @@ def test_local_loss_frames_in_flight_never_leave_the_two_sides_apart(rounds):
     from splitlearn.dataplane.channel import InProcessTransport, TrunkChannel
 
     protocol = protocol_named("local_loss")
-    handler = protocol.trunk(Trunk(digits_like_model(), lr=0.1), protocol.options(), limits(TOPK))
+    handler = protocol.trunk(Trunk(digits_like_model(), lr=0.1), protocol.options(),
+                             dataplane(TOPK))
     tokens = TokenRegistry()
-    endpoint = TrunkEndpoint({protocol.name: handler}, tokens, limits=limits(TOPK))
+    endpoint = TrunkEndpoint({protocol.name: handler}, tokens, dataplane=dataplane(TOPK))
     # Per frame in the order sent (the in-process trunk answers each as it is sent): what
     # the device agreed on, and what the trunk queued (None: refused, or never received).
     frames: list[list[torch.Tensor | None]] = []
@@ -867,8 +869,8 @@ def test_any_ids_and_version_get_an_answer_or_a_reasoned_refusal(ids, dtype, ver
     trunk = Trunk(digits_like_model(), lr=0.1)
     protocol = protocol_named(name)
     tokens = TokenRegistry()
-    handler = protocol.trunk(trunk, protocol.options(), limits(TOPK))
-    endpoint = TrunkEndpoint({protocol.name: handler}, tokens, limits=limits(TOPK))
+    handler = protocol.trunk(trunk, protocol.options(), dataplane(TOPK))
+    endpoint = TrunkEndpoint({protocol.name: handler}, tokens, dataplane=dataplane(TOPK))
     session, _ = endpoint.attach(tokens.issue(client="c0", protocol=protocol.name, cut=CUT,
                                               server_round=1, ttl_s=60), lambda: None)
     acts, labels, _ = batch(0, [0, 1, 2, 3])
@@ -935,9 +937,9 @@ def test_lost_replies_and_older_states_never_leave_the_two_sides_apart(name, rou
                                     error_feedback=True)
     protocol = protocol_named(name)
     handler = protocol.trunk(Trunk(digits_like_model(), lr=0.1), protocol.options(),
-                             limits(compression))
+                             dataplane(compression))
     tokens = TokenRegistry()
-    endpoint = TrunkEndpoint({protocol.name: handler}, tokens, limits=limits(compression))
+    endpoint = TrunkEndpoint({protocol.name: handler}, tokens, dataplane=dataplane(compression))
     spec = RunSpec(compression=compression)
     node = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
     kept: list[dict] = []  # the node's records after each round

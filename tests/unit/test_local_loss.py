@@ -22,10 +22,11 @@ from flwr.app.metadata import validate_message_type
 from torch import Tensor, nn
 
 from clients.loop import train_round
-from clients.steps.local_loss import SMASHED_RECORD_KEY, LocalLossStep, unpack_smashed
+from clients.steps.local_loss import LocalLossStep
 from protocols import protocol_named
+from protocols.local_loss import LocalLossOptions
 from server.app import initial_arrays
-from server.sessions.smashed import SmashedSession, local_loss_sessions
+from server.sessions.local_loss import SmashedSession, local_loss_sessions
 from server.sessions.split import SharedTrunk
 from server.trunk import Trunk
 from splitlearn.aux_head import (
@@ -46,11 +47,11 @@ from splitlearn.dataplane import (
 )
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import encode_tensor
+from splitlearn.messages import SMASHED_RECORD_KEY, record_to_state, state_to_record, unpack_smashed
 from splitlearn.planning.cost import Assignment
 from splitlearn.privacy import ClientPrivacy
 from splitlearn.split import load_bottom_state, split
-from splitlearn.wire import record_to_state, state_to_record
-from strategies.local_loss import LocalLossOptions, LocalLossSplit
+from strategies.local_loss import LocalLossSplit
 from strategies.splitfed import DataPlaneAccess
 from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import ScriptedGrid, max_param_diff, send_raw
@@ -105,9 +106,9 @@ def gated_server(factory, model, gate: threading.Event, **session_kw):
     """A local-loss data plane whose trunk steps wait at ``gate``."""
     options = {"max_queue_bytes": 1 << 22} | session_kw
 
-    def handler(trunk: Trunk, limits: DataPlaneConfig) -> SmashedSession:
+    def handler(trunk: Trunk, dataplane: DataPlaneConfig) -> SmashedSession:
         return SmashedSession(SharedTrunk(GatedTrunk(trunk.model, lr=LR, gate=gate)),
-                              limits=limits, **options)
+                              dataplane=dataplane, **options)
 
     return factory(model, protocol="local_loss", handler=handler)
 
@@ -479,7 +480,7 @@ def test_the_queue_budget_comes_from_the_options():
                                   LocalLossOptions(queue_bytes=12345), LIMITS)
     assert session.max_queue_bytes == 12345
     with pytest.raises(ValueError, match="max_queue_bytes"):
-        SmashedSession(SharedTrunk(Trunk(model, lr=LR)), limits=LIMITS, max_queue_bytes=0)
+        SmashedSession(SharedTrunk(Trunk(model, lr=LR)), dataplane=LIMITS, max_queue_bytes=0)
 
 
 def test_round_end_drops_queued_batches_of_unfinished_clients_and_drains_the_rest(
@@ -558,7 +559,7 @@ def test_a_refused_frame_fails_the_clients_round_over_grpc(trunk_server_factory)
 
 def test_bulk_batches_are_validated_like_frames_before_the_trunk_sees_them():
     model = digits_like_model()
-    session = SmashedSession(SharedTrunk(Trunk(copy.deepcopy(model), lr=LR)), limits=LIMITS,
+    session = SmashedSession(SharedTrunk(Trunk(copy.deepcopy(model), lr=LR)), dataplane=LIMITS,
                              max_queue_bytes=1 << 22)
     (acts, labels), = smashed(model, 1, 1)
     session.train_bulk("c", 1, acts, labels)

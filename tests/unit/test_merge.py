@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from server.sessions.merge import client_copy, merge_stages, stage_of, trunk_copy
 from server.sessions.split import SharedTrunk, SplitSession, TrunkPerClient, train_on_batch
 from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig
+from splitlearn.merge import client_copy, merge_stages, stage_of, trunk_copy
+from splitlearn.messages import record_to_state, state_to_record
 from splitlearn.split import bottom_state
-from splitlearn.wire import record_to_state, state_to_record
 from tests.conftest import digits_like_model, fixed_batches
 
 LR = 0.1
@@ -53,7 +53,7 @@ def test_equal_cuts_reduce_to_splitfed_v2_fedavg_on_clients_and_the_trunk_untouc
     model = digits_like_model()
     cut = 2
     trunk = Trunk(copy.deepcopy(model), lr=LR)
-    session = SplitSession(SharedTrunk(trunk), limits=LIMITS)
+    session = SplitSession(SharedTrunk(trunk), dataplane=LIMITS)
     for seed, batch in ((1, 8), (2, 24)):
         train_on_batch(trunk, cut, *acts_at(model, cut, seed, batch))
     trained = trunk.stage_state()
@@ -77,7 +77,7 @@ def test_equal_cuts_reduce_to_splitfed_v2_fedavg_on_clients_and_the_trunk_untouc
 def test_different_cuts_on_a_shared_trunk_merge_each_stage_over_its_copies():
     model = digits_like_model()
     trunk = Trunk(copy.deepcopy(model), lr=LR)
-    session = SplitSession(SharedTrunk(trunk), limits=LIMITS)
+    session = SplitSession(SharedTrunk(trunk), dataplane=LIMITS)
     # Client a holds cut 1 (8 samples), b cut 3 (24): the trunk trains stage 1-2 for
     # a alone and stages 3+ for both.
     train_on_batch(trunk, 1, *acts_at(model, 1, 1, 8))
@@ -101,7 +101,7 @@ def test_different_cuts_on_a_shared_trunk_merge_each_stage_over_its_copies():
 def test_a_trunk_copy_per_client_with_any_cuts_averages_every_stage_once_per_client():
     model = digits_like_model()
     pool = TrunkPerClient(Trunk(copy.deepcopy(model), lr=LR))
-    session = SplitSession(pool, limits=LIMITS)
+    session = SplitSession(pool, dataplane=LIMITS)
     batches = {"a": (1, 8), "b": (3, 24), "gone": (2, 8)}
     for client, (cut, batch) in batches.items():
         train_on_batch(pool.trunk_for(client), cut, *acts_at(model, cut, len(client), batch))
@@ -123,7 +123,7 @@ def test_a_trunk_copy_per_client_with_any_cuts_is_flowers_fedavg_to_the_bit():
     whichever side holds them, as Flower's FedAvg adds up the whole models."""
     model = digits_like_model()
     pool = TrunkPerClient(Trunk(copy.deepcopy(model), lr=LR))
-    session = SplitSession(pool, limits=LIMITS)
+    session = SplitSession(pool, dataplane=LIMITS)
     clients = {"a": (1, 8), "b": (3, 24), "c": (2, 16)}
     sides = {}
     for seed, (client, (cut, batch)) in enumerate(clients.items()):
@@ -160,7 +160,7 @@ def test_ushaped_clients_at_different_cuts_merge_heads_tails_and_the_middle_per_
     model = digits_like_model()
     tail_cut = 4
     trunk = Trunk(copy.deepcopy(model), lr=LR)
-    session = UShapedSession(SharedTrunk(trunk), tail_cut=tail_cut, limits=LIMITS)
+    session = UShapedSession(SharedTrunk(trunk), tail_cut=tail_cut, dataplane=LIMITS)
     for cut, seed, batch in ((1, 1, 8), (3, 2, 24)):  # what two U-shaped steps book
         acts = acts_at(model, cut, seed, batch)[0].requires_grad_(True)
         with trunk.step(samples=batch, from_stage=cut, to_stage=tail_cut) as backward:
@@ -189,7 +189,7 @@ def test_the_trunk_keeps_momentum_only_for_the_stages_it_trained_this_round():
     starts afresh, as on a device, instead of replaying a direction from before the merge."""
     model = digits_like_model()
     trunk = Trunk(copy.deepcopy(model), lr=LR, momentum=0.9)
-    session = SplitSession(SharedTrunk(trunk), limits=LIMITS)
+    session = SplitSession(SharedTrunk(trunk), dataplane=LIMITS)
     params = {i: list(trunk.model.stages[i].parameters()) for i in range(model.num_stages)}
 
     def has_momentum(stage: int) -> bool:
@@ -228,7 +228,7 @@ def test_any_cuts_on_a_shared_trunk_merge_as_the_slow_reference(clients):
     whose cut is at or below it; clients and trunk then hold the merged stages."""
     model = digits_like_model()
     trunk = Trunk(copy.deepcopy(model), lr=LR)
-    session = SplitSession(SharedTrunk(trunk), limits=LIMITS)
+    session = SplitSession(SharedTrunk(trunk), dataplane=LIMITS)
     for seed, (cut, batch) in enumerate(clients):
         train_on_batch(trunk, cut, *acts_at(model, cut, seed, batch))
     stages = range(model.num_stages)
@@ -261,7 +261,7 @@ def test_any_cuts_with_a_trunk_copy_per_client_are_fedavg_of_the_finished_whole_
     finished = [i for i in range(len(clients)) if not gone[i]] or [0]
     model = digits_like_model()
     pool = TrunkPerClient(Trunk(copy.deepcopy(model), lr=LR))
-    session = SplitSession(pool, limits=LIMITS)
+    session = SplitSession(pool, dataplane=LIMITS)
     sides, whole = {}, {}
     for i, (cut, batch) in enumerate(clients):
         train_on_batch(pool.trunk_for(str(i)), cut, *acts_at(model, cut, i, batch))

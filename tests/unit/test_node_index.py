@@ -102,7 +102,7 @@ operation = st.one_of(
 @settings(max_examples=80, deadline=None)
 @given(st.lists(operation, max_size=30))
 def test_every_poll_answers_as_flowers_own_state(operations: list[tuple]) -> None:
-    """Random pushes and polls (limits 1, 2, all): the same messages, in the same order."""
+    """Random pushes and polls (dataplane 1, 2, all): the same messages, in the same order."""
     reference, indexed = Federation(NODES), indexed_federation(NODES)
     for tag, op in enumerate(operations):
         for federation in (reference, indexed):

@@ -46,8 +46,8 @@ class Idle:
 
 
 def endpoint() -> TrunkEndpoint:
-    limits = DataPlaneConfig(streams_per_token=4)
-    return TrunkEndpoint({"p": Idle()}, TokenRegistry(), limits=limits)
+    dataplane = DataPlaneConfig(streams_per_token=4)
+    return TrunkEndpoint({"p": Idle()}, TokenRegistry(), dataplane=dataplane)
 
 
 def grant(ep: TrunkEndpoint, client: str, key: bytes | None) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.overhead_bench import plot_overhead, steady_samples_per_s
+from benchmarks.overhead import plot_overhead, steady_samples_per_s
 
 
 def test_steady_throughput_leaves_out_round_one_and_the_initial_evaluation():

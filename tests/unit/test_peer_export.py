@@ -1,4 +1,4 @@
-"""The peer's job (docs/peer/export_job.py) is exactly what the default job trains on."""
+"""The peer's job (benchmarks/peer/export_job.py) is exactly what the default job trains on."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from splitlearn.config import run_spec, to_object
 from splitlearn.data import held_out_dataset
 from splitlearn.models.factory import build_model_from_config
 
-EXPORT = Path(__file__).parents[2] / "docs" / "peer" / "export_job.py"
+EXPORT = Path(__file__).parents[2] / "benchmarks" / "peer" / "export_job.py"
 
 
 def load_export():  # noqa: ANN201 - the script's module

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from experiments.planner_bench import (
+from benchmarks.planner import (
     RunResult,
     accuracy_after,
     at_budget,

@@ -15,10 +15,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from clients.loop import train_round
 from clients.steps.base import ClientStep
-from clients.steps.local_loss import SMASHED_RECORD_KEY, LocalLossStep
+from clients.steps.local_loss import LocalLossStep
 from clients.steps.split import SplitStep
 from clients.steps.ushaped import UShapedStep
 from protocols import check_config, protocol_named
+from protocols.local_loss import LocalLossOptions
+from protocols.splitfed import SplitFedV2Options
+from protocols.ushaped import UShapedOptions
 from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, PrivacyConfig, RunSpec, StrategyConfig, to_object
 from splitlearn.dataplane import (
@@ -30,6 +33,7 @@ from splitlearn.dataplane import (
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor
 from splitlearn.device_sgd import DeviceSGD
+from splitlearn.messages import SMASHED_RECORD_KEY
 from splitlearn.models import build_model
 from splitlearn.privacy import (
     ClientPrivacy,
@@ -51,9 +55,6 @@ from splitlearn.privacy.registry import (
     UnprotectableRelease,
 )
 from splitlearn.split import split
-from strategies.local_loss import LocalLossOptions
-from strategies.splitfed import SplitFedV2Options
-from strategies.ushaped import UShapedOptions
 from tests.conftest import digits_like_model, fixed_batches, small_config
 
 # --- clipping ---------------------------------------------------------------------------
@@ -145,12 +146,12 @@ class LocalTrunk:
     def __init__(self, model, protocol: str, options: StrategyConfig, *, lr: float = 0.1) -> None:
         self.protocol = protocol
         self.trunk = Trunk(copy.deepcopy(model), lr=lr)
-        limits = DataPlaneConfig(max_frame_bytes=1 << 22, max_batch=64)
+        dataplane = DataPlaneConfig(max_frame_bytes=1 << 22, max_batch=64)
         factory = protocol_named(protocol).trunk
         assert factory is not None
-        self.handler = factory(self.trunk, options, limits)
+        self.handler = factory(self.trunk, options, dataplane)
         self.tokens = TokenRegistry()
-        self.endpoint = TrunkEndpoint({protocol: self.handler}, self.tokens, limits=limits)
+        self.endpoint = TrunkEndpoint({protocol: self.handler}, self.tokens, dataplane=dataplane)
 
     def channel(self, cut: int = 1, client: str = "c0") -> tuple[TrunkChannel, RecordingTransport]:
         token = self.tokens.issue(client=client, protocol=self.protocol, cut=cut,

@@ -13,11 +13,13 @@ from flwr.app import (
     RecordDict,
 )
 
+from protocols.splitfed import SplitFedV2Options
 from splitlearn.config import PrivacyConfig, RunSpec
 from splitlearn.dataplane import TokenRegistry
+from splitlearn.messages import ROUND_KEY, STATUS_KEY
 from strategies.privacy import BUDGET_STATUS, PrivacyBudgetGuard
-from strategies.reporting import ROUND_KEY, STATUS_KEY, RoundOutcome, aggregate_split_metrics
-from strategies.splitfed import DataPlaneAccess, SplitFed, SplitFedV2Options
+from strategies.reporting import RoundOutcome, aggregate_split_metrics
+from strategies.splitfed import DataPlaneAccess, SplitFed
 from tests.helpers import ScriptedGrid
 
 SPEC = RunSpec(

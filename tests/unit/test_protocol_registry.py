@@ -26,8 +26,9 @@ from server.app import (
     stop_runtime,
 )
 from splitlearn.config import CONF_DIR, decode_spec, run_spec
+from splitlearn.messages import ROUND_KEY, SPEC_KEY
 from strategies.privacy import PrivacyBudgetGuard
-from strategies.reporting import ROUND_KEY, SPEC_KEY, ReportingFedAvg
+from strategies.reporting import ReportingFedAvg
 from strategies.splitfed import SplitFed
 from tests.conftest import small_config
 from tests.helpers import ScriptedGrid
@@ -139,7 +140,7 @@ def test_privacy_wraps_every_protocol_in_the_budget_guard(runtime_for, name):
 @pytest.mark.parametrize("name", SHIPPED)
 def test_activation_privacy_is_refused_only_where_no_activations_are_sent(name):
     cfg = small_config(f"strategy={name}", "privacy=activation_gaussian", run_dir="unused")
-    if PROTOCOLS[name].client.sends_activations:
+    if PROTOCOLS[name].capabilities.sends_activations:
         check_config(cfg)
     else:
         with pytest.raises(ValueError, match=rf"privacy=activation_gaussian.*strategy={name}"):
@@ -148,7 +149,7 @@ def test_activation_privacy_is_refused_only_where_no_activations_are_sent(name):
 
 def test_activation_privacy_is_refused_for_fedavg_alone():
     # Pins the registry's answer, so the test above cannot pass by refusing nothing.
-    refusing = sorted(n for n, p in PROTOCOLS.items() if not p.client.sends_activations)
+    refusing = sorted(n for n, p in PROTOCOLS.items() if not p.capabilities.sends_activations)
     assert refusing == ["fedavg"]
     assert {"ushaped", "local_loss", "splitfed_v1", "splitfed_v2", "sequential"} <= set(PROTOCOLS)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.bench import parse_arguments
-from experiments.rounds_bench import PARTS, round_budget, round_walls, steady_median
+from benchmarks.cli import parse_arguments
+from benchmarks.rounds import PARTS, round_budget, round_walls, steady_median
 
 
 def history() -> list[dict]:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from experiments.scale_bench import descendants, plot_scale, rss_bytes, seconds_per_sample
+from benchmarks.scale import descendants, plot_scale, rss_bytes, seconds_per_sample
 
 
 def test_time_per_sample_is_the_median_steady_round_over_its_samples():

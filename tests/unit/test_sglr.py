@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from strategies.sglr import SGLROptions
+from protocols.sglr import SGLROptions
 from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import max_param_diff
 

@@ -26,16 +26,15 @@ from flwr.app import (
 )
 from torch import Tensor
 
-from clients.steps.local_loss import SMASHED_RECORD_KEY
 from protocols import PROTOCOLS
+from protocols.local_loss import LocalLossOptions
+from protocols.sequential import SequentialOptions
+from protocols.splitfed import SplitFedV2Options
 from splitlearn.config import ModelConfig, RunSpec, decode_spec
 from splitlearn.dataplane import TokenRegistry
-from splitlearn.wire import state_to_record
-from strategies.local_loss import LocalLossOptions, LocalLossSplit
+from splitlearn.messages import ROUND_KEY, SMASHED_RECORD_KEY, SPEC_KEY, STATUS_KEY, state_to_record
+from strategies.local_loss import LocalLossSplit
 from strategies.reporting import (
-    ROUND_KEY,
-    SPEC_KEY,
-    STATUS_KEY,
     STATUSES,
     ReportingFedAvg,
     RoundOutcome,
@@ -43,8 +42,8 @@ from strategies.reporting import (
     client_row,
     reply_status,
 )
-from strategies.sequential import SequentialOptions, SequentialSplit, TurnByTurnGrid
-from strategies.splitfed import DataPlaneAccess, SplitFed, SplitFedV2Options
+from strategies.sequential import SequentialSplit, TurnByTurnGrid
+from strategies.splitfed import DataPlaneAccess, SplitFed
 from tests.helpers import ScriptedGrid, plain_spec
 
 #: What a client may decline a round with (its reply's ``status`` record says which).

@@ -188,7 +188,7 @@ def test_steps_samples_and_busy_seconds_are_booked_once_per_step(fake_clock):
         trunk.run(acts, CUT)
     assert (trunk.steps, trunk.samples, trunk.busy_s) == (1, 8, 3.0)
     # Through a split session: one forward is one step; an evaluation holds it once.
-    handler = SplitSession(SharedTrunk(trunk), limits=LIMITS)
+    handler = SplitSession(SharedTrunk(trunk), dataplane=LIMITS)
     session = grant_session("c0")
     handler.handle(session, forward_request(acts[:5], labels[:5]))
     assert (trunk.steps, trunk.samples, trunk.busy_s) == (2, 13, 4.0)
@@ -228,7 +228,7 @@ def test_near_float32_max_without_a_bound_is_refused_as_a_non_finite_step(
 ):
     model = digits_like_model("resnet")  # batch norm after the cut
     unbounded = DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64, max_abs_value=float("inf"))
-    server = trunk_server_factory(model, lr=LR, limits=unbounded)
+    server = trunk_server_factory(model, lr=LR, dataplane=unbounded)
     before = copy.deepcopy(server.model.state_dict())
     channel = server.local_channel(server.token(CUT))
     with pytest.raises(TrunkRejected, match="^STEP_NOT_FINITE: "):
@@ -251,7 +251,7 @@ def test_near_float32_max_with_the_default_bound_is_refused_as_out_of_range(
 ):
     model = digits_like_model("resnet")
     assert DataPlaneConfig().max_abs_value < 3.0e38
-    server = trunk_server_factory(model, lr=LR, limits=DataPlaneConfig(max_frame_bytes=1 << 20))
+    server = trunk_server_factory(model, lr=LR, dataplane=DataPlaneConfig(max_frame_bytes=1 << 20))
     before = copy.deepcopy(server.model.state_dict())
     channel = server.local_channel(server.token(CUT))
     with pytest.raises(TrunkRejected, match="^OUT_OF_RANGE: activations reach"):
@@ -322,7 +322,7 @@ def run_clients(handler, sessions, requests) -> dict[int, pb.Reply]:
 def test_batching_session_steps_once_and_returns_each_clients_own_gradient(fake_clock):
     model = digits_like_model()
     trunk = Trunk(copy.deepcopy(model), lr=LR)
-    handler = BatchingSplitSession(SharedTrunk(trunk), limits=LIMITS, timeout_s=30.0)
+    handler = BatchingSplitSession(SharedTrunk(trunk), dataplane=LIMITS, timeout_s=30.0)
     sessions = [grant_session("a"), grant_session("b")]
     for s in sessions:
         handler.attach(s)
@@ -345,7 +345,7 @@ def test_batching_session_steps_once_and_returns_each_clients_own_gradient(fake_
 def test_the_barrier_times_out_instead_of_waiting_for_absent_clients():
     model = digits_like_model()
     trunk = Trunk(copy.deepcopy(model), lr=LR)
-    handler = BatchingSplitSession(SharedTrunk(trunk), limits=LIMITS, timeout_s=0.01)
+    handler = BatchingSplitSession(SharedTrunk(trunk), dataplane=LIMITS, timeout_s=0.01)
     sessions = [grant_session(c) for c in ("a", "absent-1", "absent-2")]
     for s in sessions:
         handler.attach(s)
@@ -373,7 +373,7 @@ def test_a_session_that_detaches_releases_the_batches_waiting_for_it():
     model = digits_like_model()
     trunk = Trunk(copy.deepcopy(model), lr=LR)
     # A barrier that would wait a minute: only the detach can release it in time.
-    handler = SignallingBatchingSession(SharedTrunk(trunk), limits=LIMITS, timeout_s=60.0)
+    handler = SignallingBatchingSession(SharedTrunk(trunk), dataplane=LIMITS, timeout_s=60.0)
     waiting, leaving = grant_session("waiting"), grant_session("leaving")
     handler.attach(waiting)
     handler.attach(leaving)
@@ -395,7 +395,7 @@ def test_a_refused_batching_step_refuses_every_batch_in_it_and_changes_nothing()
     model = digits_like_model()
     trunk = Trunk(copy.deepcopy(model), lr=LR)
     unbounded = DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64, max_abs_value=float("inf"))
-    handler = BatchingSplitSession(SharedTrunk(trunk), limits=unbounded, timeout_s=30.0)
+    handler = BatchingSplitSession(SharedTrunk(trunk), dataplane=unbounded, timeout_s=30.0)
     sessions = [grant_session("a"), grant_session("b")]
     for s in sessions:
         handler.attach(s)

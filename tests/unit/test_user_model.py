@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from protocols import check_config
-from splitlearn.autosplit import AutoSplitModel
 from splitlearn.config import DatasetConfig, ModelConfig
+from splitlearn.models.autosplit import AutoSplitModel
 from splitlearn.models.factory import build_model_from_config, source_module
 from tests.conftest import small_config
 from tests.user_nets import TinyNet

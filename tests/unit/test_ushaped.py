@@ -20,6 +20,7 @@ from clients.loop import evaluate_round, train_round
 from clients.steps.split import SplitStep
 from clients.steps.ushaped import UShapedStep
 from protocols import check_config, compose_config, protocol_named
+from protocols.ushaped import UShapedOptions
 from server.app import initial_arrays
 from server.sessions.ushaped import UShapedSession, ushaped_sessions
 from server.trunk import Trunk
@@ -37,6 +38,7 @@ from splitlearn.config import (
 from splitlearn.dataplane import TokenRegistry, TrunkChannel, TrunkRejected
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import encode_tensor
+from splitlearn.messages import record_to_state
 from splitlearn.planning.clock import ClientMeasurement
 from splitlearn.planning.devices import DeviceProfile
 from splitlearn.privacy import ClientPrivacy
@@ -47,9 +49,7 @@ from splitlearn.split import (
     stages_state,
     ushaped_state,
 )
-from splitlearn.wire import record_to_state
 from strategies.splitfed import DataPlaneAccess, SplitFed
-from strategies.ushaped import UShapedOptions
 from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import max_param_diff, send_raw, train_whole
 
@@ -411,10 +411,10 @@ def test_tail_cut_travels_in_the_spec_and_defaults_to_zero():
 
 def test_the_trunk_side_resolves_the_tail_cut():
     model = digits_like_model("cnn")
-    limits = DataPlaneConfig()
+    dataplane = DataPlaneConfig()
     for tail_cut, expected in [(0, 4), (3, 3)]:
         handler = ushaped_sessions(Trunk(copy.deepcopy(model), lr=LR),
-                                   UShapedOptions(tail_cut=tail_cut), limits)
+                                   UShapedOptions(tail_cut=tail_cut), dataplane)
         assert isinstance(handler, UShapedSession) and handler.tail_cut == expected
     assert protocol_named("ushaped").trunk is ushaped_sessions
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 
+from splitlearn.messages import record_to_state, state_to_record
 from splitlearn.split import bottom_state, load_bottom_state
-from splitlearn.wire import record_to_state, state_to_record
 from tests.conftest import digits_like_model, fixed_batches
 
 

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 
-from experiments.zoo import measure_segment_memory
+from benchmarks.zoo import measure_segment_memory
 from protocols import compose_config
 from splitlearn.config import CONF_DIR
 from splitlearn.data import describe_dataset

@@ -1,6 +1,6 @@
 """A real device behind a real slow link: network namespaces, ``tc``, and the virtual clock.
 
-``python -m experiments.bench netns`` (root) creates two fresh network namespaces, a
+``python -m benchmarks netns`` (root) creates two fresh network namespaces, a
 "server" side and a "device" side, joined by a veth pair (10.213.0.1/30 and
 10.213.0.2/30), and shapes each direction with ``tc``'s token bucket filter (``tbf``)
 to a device preset's links: the device end's egress is its uplink, the server end's
@@ -16,7 +16,7 @@ trunk's busy time is compared with the measured wall time of the round's trainin
 
 ``tc netem`` (delay) is often missing (no ``sch_netem`` module), so the preset's RTT is
 added at the socket level instead: the data plane goes through
-:mod:`experiments.delay_relay`, a process in the device namespace that listens on its
+:mod:`benchmarks.delay_relay`, a process in the device namespace that listens on its
 loopback and forwards to the trunk across the veth, each byte half the RTT late each
 way (the ServerApp advertises the relay's address; see :func:`through_relay`). The
 bandwidth stays the kernel's, on the veth. The control plane (SuperNode to SuperLink)
@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from experiments.delay_relay import start_relay
+from benchmarks.delay_relay import start_relay
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_IP, DEVICE_IP = "10.213.0.1", "10.213.0.2"
@@ -308,7 +308,7 @@ def dataplane_round(link: ShapedLink, overrides: Sequence[str], *, folder: Path,
     With ``rtt_s`` > 0 the client reaches the trunk through the delay relay.
     """
     token_file = folder / "trunk.json"
-    module = [sys.executable, "-m", "experiments.netns_bench"]
+    module = [sys.executable, "-m", "benchmarks.netns"]
     relay, routing = through_relay(link, rtt_s) if rtt_s > 0 else (None, [])
     trunk = subprocess.Popen(
         link.exec(link.server, [*module, "--token-file", str(token_file), "trunk",

@@ -1,6 +1,6 @@
 """Compression at the cut: bytes saved against accuracy lost, per method and network.
 
-``python -m experiments.bench compression [--seeds N] [overrides ...]``
+``python -m benchmarks compression [--seeds N] [overrides ...]``
 
 For each network (the default job's SmallCNN on digits at cut 1, and the
 ResNet-style network on digits resized to 16x16 at cut 1) and seed, SplitFed v2

@@ -1,4 +1,4 @@
-"""The default job's seconds per round and where they go: ``python -m experiments.bench rounds``.
+"""The default job's seconds per round and where they go: ``python -m benchmarks rounds``.
 
 Runs ``python -m experiments.run`` as a user does (Simulation Engine, Ray, the
 gRPC data plane, W&B offline, a checkpoint per round), ``--repeats`` times,

@@ -1,6 +1,6 @@
 """Bytes per training sample for every protocol against FedAvg, as the model and the data grow.
 
-``python -m experiments.bench communication [overrides ...]``
+``python -m benchmarks communication [overrides ...]``
 
 Two parts:
 
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from protocols import compose_config, tail_cut_of
+from protocols import compose_config, protocol_named, tail_cut_of
 from splitlearn.calibration import communication_sizes
-from splitlearn.communication import Sizes, bytes_per_sample, fedavg_break_even
+from splitlearn.communication import ClosedForm, Sizes, bytes_per_sample, fedavg_break_even
 
 #: Protocols measured and drawn: (label, strategy, uplink, downlink).
 PROTOCOLS = (
@@ -53,22 +53,31 @@ SAMPLES = [round(10 ** (1 + 0.25 * i)) for i in range(17)]  # 10 .. 100,000
 
 
 def protocol_sizes(overrides: Sequence[str]) -> Sizes:
-    """Return the model's sizes at its cut for ``overrides`` (local loss: plus its head)."""
-    from splitlearn.aux_head import build_aux_head
-    from splitlearn.config import to_object
+    """Return the model's sizes at its cut for ``overrides``.
+
+    The device side's bytes are those of the state its device step ships (with an
+    auxiliary head or a tail where the protocol's step keeps one).
+    """
+    from splitlearn.config import run_spec, to_object
     from splitlearn.models.factory import build_model_from_config
 
     cfg = compose_config(list(overrides))
     model = build_model_from_config(to_object(cfg.model), to_object(cfg.dataset))
-    options = to_object(cfg.strategy)
-    sizes = communication_sizes(model, cfg.model.cut, tail_cut=tail_cut_of(options, model))
-    if cfg.strategy.name == "local_loss":
-        head = build_aux_head(model.cut_shape(cfg.model.cut), model.num_classes,
-                              hidden=options.aux_hidden)
-        extra = sum(t.numel() * t.element_size() for t in head.state_dict().values())
-        sizes = dataclasses.replace(sizes, client_param_bytes=sizes.client_param_bytes + extra,
-                                    client_arrays=sizes.client_arrays + len(head.state_dict()))
-    return sizes
+    sizes = communication_sizes(model, cfg.model.cut, tail_cut=tail_cut_of(cfg.strategy, model))
+    step = protocol_named(cfg.strategy.name).client(
+        model, run_spec(cfg, host_flops_per_s=0.0), cut=cfg.model.cut)
+    shipped = step.state()
+    return dataclasses.replace(
+        sizes, client_param_bytes=sum(t.numel() * t.element_size() for t in shipped.values()),
+        client_arrays=len(shipped))
+
+
+def closed_form(strategy: str) -> ClosedForm:
+    """Return the closed form of protocol ``strategy`` (its registry entry's)."""
+    form = protocol_named(strategy).capabilities.bytes_per_sample
+    if form is None:
+        raise ValueError(f"strategy={strategy} declares no closed form of its bytes per sample")
+    return form
 
 
 def measure(network: str, extra: Sequence[str], overrides: Sequence[str]) -> list[dict]:
@@ -85,8 +94,9 @@ def measure(network: str, extra: Sequence[str], overrides: Sequence[str]) -> lis
         examples = sum(r["examples"] for r in rounds)
         measured = sum(r["bytes_up"] + r["bytes_down"] for r in rounds) / examples
         predicted = bytes_per_sample(
-            strategy, protocol_sizes(run), samples_per_client=examples / len(rounds) / 3,
-            local_epochs=1, uplink=up, downlink=down)["total"]
+            closed_form(strategy), protocol_sizes(run),
+            samples_per_client=examples / len(rounds) / 3, local_epochs=1, uplink=up,
+            downlink=down)["total"]
         # int8's closed form is a bound: the zeros after ReLU cost a bit each, not a byte.
         bound = "int8" in (up, down)
         rows.append({"network": network, "protocol": label, "measured": measured,
@@ -108,8 +118,9 @@ def curves(overrides: Sequence[str]) -> dict:
             "break_even_samples": fedavg_break_even(sizes["SplitFed v2 / SL"]),
             "break_even_samples_int8": fedavg_break_even(sizes["SplitFed v2 / SL"],
                                                          uplink="int8", downlink="int8"),
-            "curves": {label: [bytes_per_sample(strategy, sizes[label], samples_per_client=n,
-                                                uplink=up, downlink=down)["total"]
+            "curves": {label: [bytes_per_sample(closed_form(strategy), sizes[label],
+                                                samples_per_client=n, uplink=up,
+                                                downlink=down)["total"]
                                for n in SAMPLES]
                        for label, strategy, up, down in PROTOCOLS},
         }

@@ -1,11 +1,11 @@
 """A ClientApp round, the device's stages in ExecuTorch vs eager PyTorch (a benchmark).
 
-``python -m experiments.executorch_rounds [overrides ...]``: SplitFed v1 on digits through
+``python -m benchmarks.executorch_rounds [overrides ...]``: SplitFed v1 on digits through
 :func:`experiments.local.run_local` (the shipped ClientApp, one client at a time, the
 in-process trunk), 2 clients, 3 rounds, cut 1, for ``cnn`` and ``lenet5`` under
 ``devices.runtime=eager`` and ``executorch``. Prints the median over the client-rounds of
 rounds 2+ (round 1 also pays for importing ExecuTorch and exporting the programs, which
-later rounds borrow from the process's cache, :data:`clients.executorch_step.PROGRAMS`)
+later rounds borrow from the process's cache, :data:`clients.executorch_program.PROGRAMS`)
 of the handler's seconds (``handler-s``: the whole ClientApp round) and of its training
 (``train-s``: the batches), then one JSON line: each model's ExecuTorch round over its
 eager one.

@@ -1,6 +1,6 @@
 """A TCP relay that delays every byte by a fixed time each way and limits nothing else.
 
-``python -m experiments.delay_relay --listen HOST:PORT --to HOST:PORT --delay-ms D``
+``python -m benchmarks.delay_relay --listen HOST:PORT --to HOST:PORT --delay-ms D``
 accepts connections on ``--listen``, opens one to ``--to`` for each, and forwards the
 bytes in both directions, each chunk written ``D`` ms after it arrived. Reading goes on
 while chunks wait out their delay, so the relay adds latency, not a bandwidth limit: it
@@ -146,7 +146,7 @@ def start_relay(listen: str, target: str, *, delay_s: float,
 
     Returns once it accepts connections. The caller kills it (it runs until then).
     """
-    argv = [*prefix, sys.executable, "-m", "experiments.delay_relay", "--listen", listen,
+    argv = [*prefix, sys.executable, "-m", "benchmarks.delay_relay", "--listen", listen,
             "--to", target, "--delay-ms", repr(delay_s * 1e3)]
     # Its errors go to a file: a pipe nobody reads could fill and stall the relay.
     with tempfile.TemporaryFile("w+") as errors:

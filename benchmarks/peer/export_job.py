@@ -1,6 +1,6 @@
 """Export the default job for the peer: the 10 IID partitions, the test split, the weights.
 
-Run in this project's environment: ``python docs/peer/export_job.py JOB.pt``. The file
+Run in this project's environment: ``python benchmarks/peer/export_job.py JOB.pt``. The file
 holds exactly what ``python -m experiments.run`` trains on: each client's partition as
 the ClientApps build it, the held-out digits the central evaluation uses, and the
 SmallCNN's initial state dict (the same seed).

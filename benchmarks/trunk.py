@@ -1,4 +1,4 @@
-"""The trunk's step by activation layout: ``python -m experiments.bench trunk``.
+"""The trunk's step by activation layout: ``python -m benchmarks trunk``.
 
 For each network at the cut its config names (``conf/model/NAME.yaml``), on the dataset
 it is meant for, one training step of the trunk as the split session takes it

@@ -1,6 +1,6 @@
 """The planner benchmark: virtual time to a target accuracy, uniform cuts vs planners.
 
-``python -m experiments.bench planner [--seeds N] [--target ACC] [overrides ...]``
+``python -m benchmarks planner [--seeds N] [--target ACC] [overrides ...]``
 
 For each scenario (``+scenario=heterogeneous`` and ``+scenario=dynamic``) and
 seed, the same run is trained once per uniform cut and once per planner

@@ -1,6 +1,6 @@
 """Data-plane round trip per batch against a raw gRPC stream of the same bytes.
 
-``python -m experiments.bench latency [overrides ...]``
+``python -m benchmarks latency [overrides ...]``
 
 For each payload (a batch of activations: 32 rows of 1 KiB, 8 KiB (the SmallCNN at
 cut 1), 64 KiB (the ResNet-style network at 32x32, cut 1) and 256 KiB):
@@ -68,19 +68,19 @@ RAW_METHOD = "/bench.Raw/Echo"
 class EchoSession:
     """A session handler that checks a batch like a trunk and sends it back as the gradient."""
 
-    def __init__(self, cut_shape: tuple[int, ...], limits: DataPlaneConfig) -> None:
+    def __init__(self, cut_shape: tuple[int, ...], dataplane: DataPlaneConfig) -> None:
         self.cut_shape = cut_shape
-        self.limits = limits
+        self.dataplane = dataplane
 
     def handle(self, session: object, request: AnyRequest) -> AnyReply:
         """Decode and check the activations and labels; reply with the activations."""
         part = request.forward
         acts = check_activations(present(part, "activations"), cut_shape=self.cut_shape,
-                                 max_batch=self.limits.max_batch,
-                                 max_bytes=self.limits.max_frame_bytes,
-                                 max_abs=self.limits.max_abs_value)
+                                 max_batch=self.dataplane.max_batch,
+                                 max_bytes=self.dataplane.max_frame_bytes,
+                                 max_abs=self.dataplane.max_abs_value)
         check_labels(present(part, "labels"), batch=len(acts), num_classes=10,
-                     max_bytes=self.limits.max_frame_bytes)
+                     max_bytes=self.dataplane.max_frame_bytes)
         return reply("gradient", grad=encode_tensor(acts), loss=0.0, correct=0)
 
     def attach(self, session: object) -> None:
@@ -144,13 +144,13 @@ class Servers:
     payload (protocol ``echo-I`` for ``PAYLOADS[I]``).
     """
 
-    def __init__(self, limits: DataPlaneConfig) -> None:
+    def __init__(self, dataplane: DataPlaneConfig) -> None:
         tokens = TokenRegistry()
-        sessions = {f"echo-{i}": EchoSession(shape, limits)
+        sessions = {f"echo-{i}": EchoSession(shape, dataplane)
                     for i, (_, shape) in enumerate(PAYLOADS)}
-        self.service = TrunkService(TrunkEndpoint(sessions, tokens, limits=limits))
+        self.service = TrunkService(TrunkEndpoint(sessions, tokens, dataplane=dataplane))
         self.service.start()
-        self.raw = RawEchoServer(limits.max_frame_bytes)
+        self.raw = RawEchoServer(dataplane.max_frame_bytes)
         self.addresses = {
             "data_plane": self.service.address, "raw": self.raw.address,
             "tokens": [tokens.issue(client="bench", protocol=name, cut=1, server_round=1,
@@ -173,10 +173,10 @@ def serve_in_child(conn: Connection) -> None:
 
 
 @contextlib.contextmanager
-def running_servers(limits: DataPlaneConfig, *, own_process: bool) -> Iterator[dict]:
+def running_servers(dataplane: DataPlaneConfig, *, own_process: bool) -> Iterator[dict]:
     """Start the servers here or in a process of their own; yield their addresses."""
     if not own_process:
-        servers = Servers(limits)
+        servers = Servers(dataplane)
         try:
             yield servers.addresses
         finally:
@@ -208,7 +208,7 @@ def timed(run, *, repeats: int) -> list[float]:  # noqa: ANN001 - a callable of 
     return samples
 
 
-def measure_payload(index: int, addresses: dict, limits: DataPlaneConfig, *, blocks: int,
+def measure_payload(index: int, addresses: dict, dataplane: DataPlaneConfig, *, blocks: int,
                     block: int) -> tuple[int, float, float]:
     """Return payload ``index``'s request frame bytes and the median ms of both stacks."""
     shape = PAYLOADS[index][1]
@@ -216,7 +216,7 @@ def measure_payload(index: int, addresses: dict, limits: DataPlaneConfig, *, blo
     acts, labels = torch.rand(BATCH, *shape), torch.randint(0, 10, (BATCH,))
     frame = build(pb.Request, seq=1, forward={
         "activations": encode_tensor(acts), "labels": encode_tensor(labels)}).SerializeToString()
-    raw = RawEchoClient(addresses["raw"], limits.max_frame_bytes)
+    raw = RawEchoClient(addresses["raw"], dataplane.max_frame_bytes)
     ours, theirs = [], []
     try:
         for _ in range(2):  # warm-up: connections, first allocations
@@ -238,13 +238,13 @@ def bench_latency(overrides: Sequence[str], *, blocks: int = 25, block: int = 20
     server never share an interpreter), then in the client's.
     """
     torch.set_num_threads(1)
-    limits = DataPlaneConfig()
+    dataplane = DataPlaneConfig()
     rows = []
     for own_process in (True, False):
         placement = "two processes" if own_process else "one process"
-        with running_servers(limits, own_process=own_process) as addresses:
+        with running_servers(dataplane, own_process=own_process) as addresses:
             for index, (label, _) in enumerate(PAYLOADS):
-                size, mine, bare = measure_payload(index, addresses, limits, blocks=blocks,
+                size, mine, bare = measure_payload(index, addresses, dataplane, blocks=blocks,
                                                    block=block)
                 rows.append({"placement": placement, "payload": label, "frame_bytes": size,
                              "data_plane_ms": mine, "raw_grpc_ms": bare, "ratio": mine / bare})

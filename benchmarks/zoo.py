@@ -1,4 +1,4 @@
-"""The model zoo's cost table: ``python -m experiments.zoo [--out docs/zoo.md]``.
+"""The model zoo's cost table: ``python -m benchmarks.zoo [--out docs/zoo.md]``.
 
 For every registered network and every valid cut it reports what the client
 side costs: parameters, share of the forward FLOPs, smashed bytes per sample
@@ -29,7 +29,7 @@ from splitlearn.models import MODELS, ZOO, SplittableModel, build_model, total_c
 from splitlearn.models.base import segment_memory_bytes_per_sample
 from splitlearn.split import split
 
-COMMAND = "python -m experiments.zoo --out docs/zoo.md"
+COMMAND = "python -m benchmarks.zoo --out docs/zoo.md"
 
 
 def measure_segment_memory(segment: nn.Module, x: torch.Tensor) -> float:
@@ -212,7 +212,7 @@ the counted multiply-adds match the published ones within 5%: ResNet-18 1.82 G
 **Any other network** is split with `torch.fx` where a single tensor crosses:
 
 ```python
-from splitlearn.autosplit import auto_split, find_cut_points
+from splitlearn.models.autosplit import auto_split, find_cut_points
 points = find_cut_points(net, example_batch)  # node name, op, shape, bytes of each
 model = auto_split(net, example_batch)         # a SplittableModel cut at every point
 model = auto_split(net, example_batch, cuts=[points[2].node, points[5].node])  # 3 stages

@@ -1,10 +1,10 @@
-"""Benchmarks (numbers, not tests): ``python -m experiments.bench NAME [overrides ...]``.
+"""Benchmarks (numbers, not tests): ``python -m benchmarks NAME [overrides ...]``.
 
 ``scale``
     Time per training sample and peak memory of ``+scenario=large_scale`` (10
     clients per round, 64 synthetic examples each) with 10 to 10,000 registered
     clients (``--clients``): the ServerApp process and the whole process tree
-    (Ray workers included), sampled from /proc; see :mod:`experiments.scale_bench`.
+    (Ray workers included), sampled from /proc; see :mod:`benchmarks.scale`.
 
 ``overhead``
     SplitFed v2's samples/s through the real stack (Flower Simulation Engine,
@@ -12,7 +12,7 @@
     trained centrally, data-parallel on every core, for ``--clients`` and
     ``--workers`` (``dataplane.trunk_workers``); steady state (rounds 2+). The
     last line is JSON with ``fraction_of_central``; see
-    :mod:`experiments.overhead_bench`.
+    :mod:`benchmarks.overhead`.
 
 ``clock``
     Per-client wall time of emulated devices (``devices.emulate=true``) against
@@ -26,29 +26,29 @@
     The default job's seconds per steady round (rounds 2+) and their budget:
     Flower and Ray, client set-up, compute, the data plane and trunk,
     evaluation, what happens between rounds (``--repeats`` runs, each beside one
-    without W&B and checkpoints); see :mod:`experiments.rounds_bench`.
+    without W&B and checkpoints); see :mod:`benchmarks.rounds`.
 
 ``communication``
     Bytes per training sample of every protocol against FedAvg: measured runs
     against the closed forms, and who wins where as the model and the data per
-    client grow; see :mod:`experiments.communication_bench`.
+    client grow; see :mod:`benchmarks.communication`.
 
 ``latency``
     Data-plane round trip per batch by payload size against a raw gRPC stream
-    of the same bytes; see :mod:`experiments.latency_bench`.
+    of the same bytes; see :mod:`benchmarks.latency`.
 
 ``compression``
     Bytes moved per training sample against final accuracy for every
     compression method at the cut, and top-k with error feedback, on the SmallCNN
     and the ResNet-style network (``--seeds``; ``--methods none topk ...`` for some
-    only); see :mod:`experiments.compression_bench`.
+    only); see :mod:`benchmarks.compression`.
 
 ``planner``
     Virtual time to a target accuracy for every uniform cut and for the greedy,
     DynSL and SmartSplit planners on ``+scenario=heterogeneous`` and
     ``+scenario=dynamic`` (``--seeds``, ``--target``, ``--scenarios``,
     ``--methods``); see
-    :mod:`experiments.planner_bench`. The last line is JSON with the reductions.
+    :mod:`benchmarks.planner`. The last line is JSON with the reductions.
 
 ``executorch``
     The client step exported to ExecuTorch and run by its runtime, against eager
@@ -60,21 +60,25 @@
 
 ``executorch-rounds``
     A ClientApp round with ``devices.runtime=executorch`` against ``eager`` (SplitFed v1,
-    cnn and lenet5); see :mod:`experiments.executorch_rounds`.
+    cnn and lenet5); see :mod:`benchmarks.executorch_rounds`.
 
 ``netns``
     (root) A real SuperNode in a network namespace behind a veth shaped by ``tc tbf``
     to a device preset's links, 3 rounds of the default job; the virtual clock's
-    prediction per client-round against wall time; see :mod:`experiments.netns_bench`.
+    prediction per client-round against wall time; see :mod:`benchmarks.netns`.
 
 ``trunk``
     The trunk's training step with its activations in PyTorch's standard layout and
     channels-last, for every network at its config's cut (``--models``); see
-    :mod:`experiments.trunk_bench`.
+    :mod:`benchmarks.trunk`.
 
 ``handoff``
     The trunk's step taken from one thread, alternating between two threads, and
-    alternating with ``dataplane.trunk_sticky_core``; see :mod:`experiments.handoff_bench`.
+    alternating with ``dataplane.trunk_sticky_core``; see :mod:`benchmarks.handoff`.
+
+``allocator``
+    Page faults per trunk step with glibc's malloc as set by default and as the
+    trunk sets it (``dataplane.trunk_reuses_memory``); see :mod:`benchmarks.allocator`.
 
 Extra arguments are Hydra overrides, e.g. ``strategy.num_rounds=5``.
 """
@@ -101,15 +105,15 @@ PLANNER_METHODS = ("greedy", "dynsl", "smartsplit", "smartsplit-random")
 
 def bench_overhead_suite(overrides: Sequence[str], *, clients: Sequence[int],
                          workers: Sequence[int]) -> None:
-    """SplitFed through the real stack vs central training (:mod:`experiments.overhead_bench`)."""
-    from experiments.overhead_bench import bench_overhead
+    """SplitFed through the real stack vs central training (:mod:`benchmarks.overhead`)."""
+    from benchmarks.overhead import bench_overhead
 
     bench_overhead(overrides, clients=clients, workers=workers)
 
 
 def bench_scale_suite(overrides: Sequence[str], *, clients: Sequence[int]) -> None:
-    """Time per sample and memory by registered clients (:mod:`experiments.scale_bench`)."""
-    from experiments.scale_bench import bench_scale
+    """Time per sample and memory by registered clients (:mod:`benchmarks.scale`)."""
+    from benchmarks.scale import bench_scale
 
     bench_scale(overrides, registered=clients)
 
@@ -296,7 +300,7 @@ def median_ms(run, *, steps: int) -> float:  # noqa: ANN001 - a callable of no a
 def executorch_step_times(name: str, overrides: Sequence[str], *, steps: int
                           ) -> tuple[float, float, int]:
     """Eager and ExecuTorch ms per client step of ``model=name`` at cut 1; the batch size."""
-    from clients.executorch_step import ExecuTorchClientStep, export_client_step
+    from clients.executorch_program import ExecuTorchClientStep, export_client_step
     from splitlearn.config import to_object
     from splitlearn.models.factory import build_model_from_config
     from splitlearn.split import split
@@ -344,71 +348,78 @@ def bench_executorch(overrides: Sequence[str], *, steps: int = 50) -> float:
 def bench_planner_suite(overrides: Sequence[str], *, seeds: int, target: float,
                         scenarios: Sequence[str] | None = None,
                         methods: Sequence[str] | None = None) -> None:
-    """Uniform cuts vs planners on the virtual clock (:mod:`experiments.planner_bench`)."""
-    from experiments.planner_bench import bench_planner
+    """Uniform cuts vs planners on the virtual clock (:mod:`benchmarks.planner`)."""
+    from benchmarks.planner import bench_planner
 
     bench_planner(overrides, seeds=seeds, target=target, scenarios=scenarios, methods=methods)
 
 
 def bench_rounds_suite(overrides: Sequence[str], *, repeats: int = 3) -> None:
-    """Time the default job's rounds and their budget (:mod:`experiments.rounds_bench`)."""
-    from experiments.rounds_bench import bench_rounds
+    """Time the default job's rounds and their budget (:mod:`benchmarks.rounds`)."""
+    from benchmarks.rounds import bench_rounds
 
     bench_rounds(overrides, repeats=repeats)
 
 
 def bench_compression_suite(overrides: Sequence[str], *, seeds: int = 3,
                             methods: Sequence[str] | None = None) -> None:
-    """Bytes saved vs accuracy lost per method (:mod:`experiments.compression_bench`)."""
-    from experiments.compression_bench import OPTIONS, bench_compression
+    """Bytes saved vs accuracy lost per method (:mod:`benchmarks.compression`)."""
+    from benchmarks.compression import OPTIONS, bench_compression
 
     bench_compression(overrides, seeds=seeds, methods=methods or OPTIONS)
 
 
 def bench_latency_suite(overrides: Sequence[str]) -> None:
-    """Time the data plane against raw gRPC (:mod:`experiments.latency_bench`)."""
-    from experiments.latency_bench import bench_latency
+    """Time the data plane against raw gRPC (:mod:`benchmarks.latency`)."""
+    from benchmarks.latency import bench_latency
 
     bench_latency(overrides)
 
 
 def bench_communication_suite(overrides: Sequence[str]) -> None:
-    """Protocols' bytes per sample vs FedAvg (:mod:`experiments.communication_bench`)."""
-    from experiments.communication_bench import bench_communication
+    """Protocols' bytes per sample vs FedAvg (:mod:`benchmarks.communication`)."""
+    from benchmarks.communication import bench_communication
 
     bench_communication(overrides)
 
 
 def bench_executorch_rounds_suite(overrides: Sequence[str]) -> None:
-    """Time ClientApp rounds in ExecuTorch vs eager (:mod:`experiments.executorch_rounds`)."""
-    from experiments.executorch_rounds import main as rounds
+    """Time ClientApp rounds in ExecuTorch vs eager (:mod:`benchmarks.executorch_rounds`)."""
+    from benchmarks.executorch_rounds import main as rounds
 
     rounds(overrides)
 
 
 def bench_netns_suite(overrides: Sequence[str], *, relay: bool = True) -> None:
-    """Time a SuperNode behind a shaped link vs the clock (:mod:`experiments.netns_bench`).
+    """Time a SuperNode behind a shaped link vs the clock (:mod:`benchmarks.netns`).
 
     ``relay=False`` leaves the latency out (the veth's own).
     """
-    from experiments.netns_bench import run_bench
+    from benchmarks.netns import run_bench
 
     run_bench(overrides, relay=relay)
 
 
 def bench_trunk_suite(overrides: Sequence[str], *, models: Sequence[str] | None = None
                       ) -> None:
-    """Time the trunk's step per activation layout (:mod:`experiments.trunk_bench`)."""
-    from experiments.trunk_bench import bench_trunk
+    """Time the trunk's step per activation layout (:mod:`benchmarks.trunk`)."""
+    from benchmarks.trunk import bench_trunk
 
     bench_trunk(overrides, models=models)
 
 
 def bench_handoff_suite(overrides: Sequence[str]) -> None:
-    """Time the trunk's step as it hops threads (:mod:`experiments.handoff_bench`)."""
-    from experiments.handoff_bench import bench_handoff
+    """Time the trunk's step as it hops threads (:mod:`benchmarks.handoff`)."""
+    from benchmarks.handoff import bench_handoff
 
     bench_handoff(overrides)
+
+
+def bench_allocator_suite(overrides: Sequence[str]) -> None:
+    """Count the trunk step's page faults per allocator setting (:mod:`benchmarks.allocator`)."""
+    from benchmarks.allocator import bench_allocator
+
+    bench_allocator(overrides)
 
 
 BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
@@ -417,7 +428,8 @@ BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
               "clock": bench_clock, "memory": bench_memory, "planner": bench_planner_suite,
               "tls": bench_tls, "executorch": bench_executorch,
               "executorch-rounds": bench_executorch_rounds_suite, "netns": bench_netns_suite,
-              "trunk": bench_trunk_suite, "handoff": bench_handoff_suite}
+              "trunk": bench_trunk_suite, "handoff": bench_handoff_suite,
+              "allocator": bench_allocator_suite}
 
 
 def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -457,7 +469,7 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def compression_options() -> tuple[str, ...]:
     """Return the compression benchmark's options (imported only when asked for)."""
-    from experiments.compression_bench import OPTIONS
+    from benchmarks.compression import OPTIONS
 
     return OPTIONS
 

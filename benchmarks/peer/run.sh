@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run of the peer on the default job (see README.md here): its server, then its 10
-# clients, in the peer's own environment. Usage: docs/peer/run.sh PEER_VENV JOB.pt
+# clients, in the peer's own environment. Usage: benchmarks/peer/run.sh PEER_VENV JOB.pt
 # The server's log is left in the current folder (peer-server.log); its last line is JSON.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

@@ -1,4 +1,4 @@
-"""The trunk's step when it hops between threads: ``python -m experiments.bench handoff``.
+"""The trunk's step when it hops between threads: ``python -m benchmarks handoff``.
 
 In a run, the shared trunk steps in the data-plane thread of whichever client's batch it
 trains, so with two clients streaming its steps alternate between two threads. This
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.trunk_bench import Batch, cut_batches
+from benchmarks.trunk import Batch, cut_batches
 from protocols import compose_config
 from server.sessions.split import train_on_batch
 from server.trunk import Trunk

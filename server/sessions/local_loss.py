@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from server.sessions.merge import client_copy
+from protocols.local_loss import LocalLossOptions
 from server.sessions.split import (
     SharedTrunk,
     checked_batch,
@@ -46,7 +46,7 @@ from server.sessions.split import (
     train_on_batch,
 )
 from server.trunk import Trunk
-from splitlearn.config import DataPlaneConfig, StrategyConfig
+from splitlearn.config import DataPlaneConfig
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import (
     AnyReply,
@@ -60,6 +60,7 @@ from splitlearn.dataplane.codec import (
 from splitlearn.dataplane.endpoint import Session
 from splitlearn.dataplane.feedback import FeedbackBook
 from splitlearn.dataplane.frames import Frame
+from splitlearn.merge import client_copy
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class SmashedSession:
     ----------
     pool : SharedTrunk
         The shared trunk.
-    limits : DataPlaneConfig
+    dataplane : DataPlaneConfig
         Batch size and value bounds.
     max_queue_bytes : int
         Most bytes of batches waiting to be trained.
@@ -94,14 +95,14 @@ class SmashedSession:
     """
 
     def __init__(
-        self, pool: SharedTrunk, *, limits: DataPlaneConfig, max_queue_bytes: int,
+        self, pool: SharedTrunk, *, dataplane: DataPlaneConfig, max_queue_bytes: int,
         put_timeout_s: float = 60.0, drain_timeout_s: float = 600.0,
     ) -> None:
         if max_queue_bytes < 1:
             raise ValueError(f"max_queue_bytes must be >= 1, got {max_queue_bytes}")
         self.pool = pool
         self.trunk: Trunk = pool.trunk
-        self.limits = limits
+        self.dataplane = dataplane
         self.max_queue_bytes = max_queue_bytes
         self.put_timeout_s = put_timeout_s
         self.drain_timeout_s = drain_timeout_s
@@ -117,10 +118,10 @@ class SmashedSession:
         self._stopping = False
         self._worker: threading.Thread | None = None
         #: Every client's activation references (lossy uplink with error feedback), or None.
-        self.feedback = FeedbackBook.for_compression(limits.compression, gradient=False)
+        self.feedback = FeedbackBook.for_compression(dataplane.compression, gradient=False)
 
     def _checked(self, client: str, cut: int, part: Frame | pb.Smashed) -> _Batch:
-        acts, labels = checked_batch(part, trunk=self.trunk, cut=cut, limits=self.limits)
+        acts, labels = checked_batch(part, trunk=self.trunk, cut=cut, dataplane=self.dataplane)
         return _Batch(client, cut, acts, labels)
 
     def handle(self, session: Session, request: AnyRequest) -> AnyReply:
@@ -131,7 +132,7 @@ class SmashedSession:
         part = request.smashed
         batch = self._checked(session.grant.client, session.grant.cut, part)
         ids = example_ids(part, len(batch.labels), feedback=self.feedback,
-                          max_bytes=self.limits.max_frame_bytes)
+                          max_bytes=self.dataplane.max_frame_bytes)
         if ids is None:
             return pb.Reply(ack=pb.Ack(queued=self._submit(batch)))
         return self._submit_with_feedback(batch, ids, part)
@@ -145,7 +146,7 @@ class SmashedSession:
                                   tuple(batch.activations.shape[1:]), part)
         assert memory.uplink is not None
         acts = memory.uplink.reconstruct(ids, batch.activations)
-        check_finite(acts, name="activations", max_abs=self.limits.max_abs_value)
+        check_finite(acts, name="activations", max_abs=self.dataplane.max_abs_value)
         queued = self._submit(_Batch(batch.client, batch.cut, acts, batch.labels))
         memory.uplink.commit(ids, acts)
         dropped = self.feedback.keep(batch.client, memory)
@@ -261,11 +262,10 @@ class SmashedSession:
 
 
 def local_loss_sessions(
-    trunk: Trunk, options: StrategyConfig, limits: DataPlaneConfig
+    trunk: Trunk, options: LocalLossOptions, dataplane: DataPlaneConfig
 ) -> SmashedSession:
     """Smashed-data sessions with a queue of ``strategy.queue_bytes``."""
     return SmashedSession(
-        SharedTrunk(trunk), limits=limits,
-        max_queue_bytes=options.queue_bytes,  # type: ignore[attr-defined]
-        drain_timeout_s=options.round_timeout_s,
+        SharedTrunk(trunk), dataplane=dataplane, max_queue_bytes=options.queue_bytes,
+        put_timeout_s=options.put_timeout_s, drain_timeout_s=options.round_timeout_s,
     )
