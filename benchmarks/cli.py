@@ -235,7 +235,7 @@ def bench_tls(overrides: Sequence[str], *, batches: int = 200) -> float:
     from server.workers import server_credentials
     from splitlearn.config import to_object
     from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkService
-    from splitlearn.split import split
+    from splitlearn.stages import split
 
     torch.set_num_threads(1)
     worst = 0.0
@@ -303,7 +303,7 @@ def executorch_step_times(name: str, overrides: Sequence[str], *, steps: int
     from clients.executorch_program import ExecuTorchClientStep, export_client_step
     from splitlearn.config import to_object
     from splitlearn.models.factory import build_model_from_config
-    from splitlearn.split import split
+    from splitlearn.stages import split
 
     cfg = compose_config([f"model={name}", *overrides])
     model = build_model_from_config(to_object(cfg.model), to_object(cfg.dataset), seed=0)

@@ -27,7 +27,7 @@ from torch import nn
 
 from splitlearn.models import MODELS, ZOO, SplittableModel, build_model, total_cost
 from splitlearn.models.base import segment_memory_bytes_per_sample
-from splitlearn.split import split
+from splitlearn.stages import split
 
 COMMAND = "python -m benchmarks.zoo --out docs/zoo.md"
 
@@ -44,7 +44,7 @@ def measure_segment_memory(segment: nn.Module, x: torch.Tensor) -> float:
     Parameters
     ----------
     segment : nn.Module
-        E.g. the bottom of :func:`splitlearn.split.split`; left in its mode.
+        E.g. the bottom of :func:`splitlearn.stages.split`; left in its mode.
     x : Tensor
         A batch of inputs ``(B, ...)``.
 

@@ -49,7 +49,7 @@ from clients.device import (
     virtual_time,
 )
 from clients.loop import TrainReport, epoch_loader, evaluate_round, train_round
-from clients.secure import clip_update, secaggplus_mod, secure_train_handler
+from clients.secagg import clip_update, secaggplus_mod, secure_train_handler
 from clients.steps.base import ClientStep
 from clients.steps.executorch import client_step_type
 from protocols import PROTOCOLS, Protocol

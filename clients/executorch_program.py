@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from splitlearn.models import SplittableModel
-from splitlearn.split import split
+from splitlearn.stages import split
 
 #: The program's method.
 METHOD = "forward"

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
-from clients.checkpointing import run_stages
+from clients.recompute import run_stages
 from splitlearn.models import SplittableModel
 from splitlearn.models.lean import mask_cut_relu
 

@@ -177,7 +177,7 @@ def check_client_runtime(config: Config, protocol: Protocol, model: SplittableMo
     if config.devices.runtime == "eager":
         return
     from splitlearn.runtimes import bottom_refusal, executorch_refusal
-    from splitlearn.split import split
+    from splitlearn.stages import split
 
     checkpoint = config.planner.adaptive and config.planner.checkpointing
     refusal = (runtime_refusal(protocol, config.devices.runtime)
@@ -239,7 +239,7 @@ def check_privacy_source(config: Config, model: SplittableModel) -> None:
     planner each cut it may choose (``planner.cuts``, else every valid cut).
     """
     from splitlearn.privacy import PRIVACY_OPTIONS
-    from splitlearn.split import split
+    from splitlearn.stages import split
 
     option = PRIVACY_OPTIONS[config.privacy.name]
     for cut in cuts_in_play(config, model):

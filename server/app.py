@@ -69,10 +69,10 @@ from splitlearn.planning.clock import VirtualClock, round_time
 from splitlearn.planning.cost import CutCost, with_compression, with_kept_samples
 from splitlearn.planning.devices import DeviceProfile, build_fleet
 from splitlearn.privacy import with_release_at_cut
-from splitlearn.split import load_bottom_state
+from splitlearn.stages import load_bottom_state
 from splitlearn.tracking import CompositeSink, make_sinks
 from strategies.adaptive import CutPlanning, build_planner, prior_state
-from strategies.node_keys import NodeKeys
+from strategies.key_exchange import NodeKeys
 from strategies.privacy import ClippedUpdateNoise, PrivacyBudgetGuard
 from strategies.reporting import RoundOutcome
 from strategies.resume import ResumedRounds

@@ -23,9 +23,9 @@ from torch.nn.utils import get_total_norm, parameters_to_vector
 
 from server.cores import StickyCore
 from splitlearn.dataplane.codec import FrameError, Reason
-from splitlearn.device_sgd import DeviceSGD
+from splitlearn.light_sgd import LightSGD
 from splitlearn.models import SplittableModel
-from splitlearn.split import load_bottom_state
+from splitlearn.stages import load_bottom_state
 
 
 class Trunk:
@@ -59,7 +59,7 @@ class Trunk:
         # Shapes never change; probing them per frame would run the model under
         # concurrent training steps.
         self._cut_shapes = {cut: model.cut_shape(cut) for cut in model.valid_cuts}
-        self.optimizer = DeviceSGD(model.parameters(), **self.hyper)
+        self.optimizer = LightSGD(model.parameters(), **self.hyper)
         self._lock = threading.Lock()
         self.core = StickyCore(enabled=sticky_core)
         self._buffers = list(model.buffers())  # batch-norm statistics: a refused step restores them

@@ -6,7 +6,7 @@ bottom stages against a small head of its own instead of waiting for the
 trunk's gradient. The head lives with the client side: its weights travel in
 the same ArrayRecord as the bottom's and are FedAvg'd with them, under keys
 ``"aux.<name>"`` that can never clash with stage keys (``"<stage index>.…"``,
-see :mod:`splitlearn.split`). The head is not part of the evaluated model: it
+see :mod:`splitlearn.stages`). The head is not part of the evaluated model: it
 only trains the bottom, so anything that loads a client state into a
 :class:`~splitlearn.models.SplittableModel` first takes the aux entries out
 with :func:`split_client_state`.
@@ -127,7 +127,7 @@ def split_client_state(
     -------
     tuple[dict[str, Tensor], dict[str, Tensor]]
         ``(stages, aux)``: ``stages`` keeps the ``"<stage index>.…"`` keys
-        unchanged (ready for :func:`~splitlearn.split.load_bottom_state`);
+        unchanged (ready for :func:`~splitlearn.stages.load_bottom_state`);
         ``aux`` holds the head's entries with :data:`AUX_PREFIX` removed (ready
         for ``head.load_state_dict``). Empty when the protocol has no head.
     """

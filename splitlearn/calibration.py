@@ -28,7 +28,7 @@ from splitlearn.models import SplittableModel, StageCost
 from splitlearn.models.base import FLOAT32_BYTES, segment_memory_bytes_per_sample
 from splitlearn.models.lean import lean_stage_costs
 from splitlearn.planning.cost import CutCost
-from splitlearn.split import split
+from splitlearn.stages import split
 
 #: Backward costs about twice the forward (gradients w.r.t. inputs and weights).
 TRAIN_TO_FORWARD_FLOPS = 3

@@ -235,7 +235,9 @@ class ReportingFedAvg(FedAvg):
         """
         if self.secure_aggregation is None:
             return grid
-        from strategies.secure import SecureAggregationGrid  # it reads this module's records
+        from strategies.secure_aggregation import (
+            SecureAggregationGrid,  # it reads this module's records
+        )
 
         return SecureAggregationGrid(grid, self.secure_aggregation)
 

@@ -21,7 +21,7 @@ from splitlearn.dataplane import TokenRegistry
 from splitlearn.messages import record_to_state, stages_outside, state_to_record
 from splitlearn.planning.cost import Assignment
 from strategies.adaptive import CutPlanning
-from strategies.node_keys import NodeKeys
+from strategies.key_exchange import NodeKeys
 from strategies.reporting import ReportingFedAvg, reply_metrics
 
 

@@ -7,7 +7,7 @@ backward, optimiser step. Everything else a round needs (data, declines, privacy
 dropout, device emulation, byte and time accounting) is the loop's, written once.
 
 Two things every step gets from this base: with ``checkpoint=True`` the device's
-stages run under per-stage activation checkpointing (:mod:`clients.checkpointing`;
+stages run under per-stage activation checkpointing (:mod:`clients.recompute`;
 subclasses run them through :meth:`ClientStep.run_stages`), and the first
 :attr:`ClientStep.measured_batches` training batches of a round are measured with
 :class:`clients.memory.MemoryMeter` into :attr:`ClientStep.peak_memory_bytes`.
@@ -24,14 +24,14 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import Tensor, nn
 
-from clients.checkpointing import run_stages
 from clients.memory import MemoryMeter
+from clients.recompute import run_stages
 from splitlearn.calibration import client_train_memory_bytes
 from splitlearn.config import CompressionConfig, RunSpec, StrategyConfig
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.models import SplittableModel
 from splitlearn.models.lean import mask_cut_relu
-from splitlearn.split import bottom_state, load_bottom_state, split
+from splitlearn.stages import bottom_state, load_bottom_state, split
 
 
 class ClientStep:

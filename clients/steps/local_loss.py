@@ -30,7 +30,7 @@ from splitlearn.dataplane import TrunkChannel
 from splitlearn.dataplane.channel import DEFAULT_WINDOW
 from splitlearn.messages import SMASHED_RECORD_KEY
 from splitlearn.models import SplittableModel
-from splitlearn.split import load_bottom_state
+from splitlearn.stages import load_bottom_state
 
 
 class LocalLossStep(ClientStep):

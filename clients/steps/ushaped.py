@@ -18,7 +18,7 @@ from splitlearn.config import CompressionConfig, RunSpec
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.models import SplittableModel
 from splitlearn.privacy import GaussianActivationMechanism, secret_generator
-from splitlearn.split import resolve_tail_cut, split_u, ushaped_state
+from splitlearn.stages import resolve_tail_cut, split_u, ushaped_state
 
 
 class UShapedStep(ClientStep):

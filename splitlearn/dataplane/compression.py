@@ -83,11 +83,6 @@ def unpack_mask(mask: bytes, rows: int, row_length: int) -> np.ndarray:
     return padded[:, :row_length]
 
 
-def dequantize_rows(q: Tensor, scales: Tensor) -> Tensor:
-    """Invert :func:`quantize_rows` (up to its rounding): float32 shaped like ``q``."""
-    return (as_rows(q).float() * scales[:, None]).reshape(q.shape)
-
-
 def top_k_rows(tensor: Tensor, fraction: float) -> tuple[Tensor, Tensor]:
     """Keep each row's largest entries by magnitude.
 

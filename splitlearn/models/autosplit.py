@@ -3,7 +3,7 @@
 :func:`auto_split` traces a module symbolically, finds every point of its
 forward pass where exactly one tensor is alive (the *single crossing tensor*)
 and cuts the graph there into stages. The result is a
-:class:`~splitlearn.models.SplittableModel`, so :func:`splitlearn.split.split`,
+:class:`~splitlearn.models.SplittableModel`, so :func:`splitlearn.stages.split`,
 the cost profile and the rest of the project use it unchanged.
 
 What is a cut point

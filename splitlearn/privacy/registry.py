@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from splitlearn.config import PrivacyConfig
-from splitlearn.device_sgd import DeviceSGD
+from splitlearn.light_sgd import LightSGD
 from splitlearn.privacy.accounting import Step
 from splitlearn.privacy.mechanism import GaussianActivationMechanism, batch_coupled_modules
 
@@ -92,13 +92,13 @@ class ClientPrivacy:
 
     def make_optimizer(
         self, trained: nn.Module, *, lr: float, momentum: float, weight_decay: float
-    ) -> DeviceSGD | torch.optim.Optimizer:
+    ) -> LightSGD | torch.optim.Optimizer:
         """Return the optimiser of the device's trained modules (plain SGD here).
 
         Torch's SGD update without ``torch.optim.SGD``, whose first construction in a
-        process costs seconds (see :mod:`splitlearn.device_sgd`).
+        process costs seconds (see :mod:`splitlearn.light_sgd`).
         """
-        return DeviceSGD(trained.parameters(), lr=lr, momentum=momentum,
+        return LightSGD(trained.parameters(), lr=lr, momentum=momentum,
                          weight_decay=weight_decay)
 
     @classmethod

@@ -14,7 +14,7 @@ import torch
 from splitlearn.dataplane import TrunkRejected
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import encode_tensor
-from splitlearn.split import split
+from splitlearn.stages import split
 from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import max_param_diff, send_raw, train_split_client, train_whole
 

@@ -28,7 +28,7 @@ from clients.executorch_program import (
 from experiments.local import run_local
 from server.app import TrainingResult
 from splitlearn.models import SplittableModel
-from splitlearn.split import split
+from splitlearn.stages import split
 from tests.conftest import digits_like_model, fixed_batches, small_config
 from tests.helpers import max_param_diff, train_split_client
 from tests.integration.test_simulation import read_clients

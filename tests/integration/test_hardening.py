@@ -17,7 +17,7 @@ from server.sessions.split import SharedTrunk, SplitSession
 from splitlearn.config import DataPlaneConfig
 from splitlearn.dataplane import TrunkRejected
 from splitlearn.dataplane.node_keys import new_private_key, prove, public_key_of
-from splitlearn.split import split
+from splitlearn.stages import split
 from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import send_raw, train_split_client
 

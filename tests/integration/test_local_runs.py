@@ -244,7 +244,7 @@ def test_nopeek_decorrelates_what_devices_send_from_their_inputs():
     """The same run with NoPeek's penalty: the trained bottom's outputs on held-out images
     carry less of the images (bias-corrected dCor), and the model still learns."""
     from splitlearn.attacks.dcor import bias_corrected_distance_correlation
-    from splitlearn.split import split
+    from splitlearn.stages import split
 
     images = held_out_dataset(DatasetConfig(), seed=0).tensors[0][:300]
     scores, accuracy = {}, {}

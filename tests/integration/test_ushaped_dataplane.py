@@ -17,7 +17,7 @@ from splitlearn.dataplane import TrunkRejected
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import encode_tensor
 from splitlearn.privacy import ClientPrivacy
-from splitlearn.split import split_u
+from splitlearn.stages import split_u
 from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import max_param_diff, send_raw, train_whole
 

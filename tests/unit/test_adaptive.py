@@ -28,7 +28,7 @@ from splitlearn.models.factory import build_model_from_config
 from splitlearn.planning.cost import Assignment
 from splitlearn.planning.devices import DeviceProfile, apply_traces
 from splitlearn.planning.planners import RotatePlanner, SmartSplitPlanner
-from splitlearn.split import bottom_state
+from splitlearn.stages import bottom_state
 from strategies.adaptive import CutPlanning, prior_state
 from strategies.splitfed import DataPlaneAccess, SplitFed
 from tests.conftest import digits_like_model

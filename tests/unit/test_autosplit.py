@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from splitlearn.models import SplittableModel, build_model
 from splitlearn.models.autosplit import AutoSplitError, AutoSplitModel, auto_split, find_cut_points
-from splitlearn.split import bottom_state, split
+from splitlearn.stages import bottom_state, split
 
 
 class Residual(nn.Module):

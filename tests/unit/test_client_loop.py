@@ -32,7 +32,7 @@ from splitlearn.messages import SMASHED_RECORD_KEY
 from splitlearn.planning.clock import ClientMeasurement
 from splitlearn.planning.devices import DeviceProfile
 from splitlearn.privacy import ClientPrivacy, make_client_privacy
-from splitlearn.split import split
+from splitlearn.stages import split
 from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import max_param_diff, train_whole
 

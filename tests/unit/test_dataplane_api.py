@@ -13,7 +13,7 @@ from protocols.splitfed import SplitFedV2Options
 from server.standalone import build_trunk_side
 from splitlearn.config import DataPlaneConfig
 from splitlearn.dataplane import InProcessTransport, TrunkChannel, TrunkRejected
-from splitlearn.split import split
+from splitlearn.stages import split
 from tests.conftest import digits_like_model, fixed_batches
 
 PROTO = Path(dataplane.__file__).with_name("trunk.proto").read_text()

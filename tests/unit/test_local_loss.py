@@ -50,7 +50,7 @@ from splitlearn.dataplane.codec import encode_tensor
 from splitlearn.messages import SMASHED_RECORD_KEY, record_to_state, state_to_record, unpack_smashed
 from splitlearn.planning.cost import Assignment
 from splitlearn.privacy import ClientPrivacy
-from splitlearn.split import load_bottom_state, split
+from splitlearn.stages import load_bottom_state, split
 from strategies.local_loss import LocalLossSplit
 from strategies.splitfed import DataPlaneAccess
 from tests.conftest import digits_like_model, fixed_batches

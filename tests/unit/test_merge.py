@@ -16,7 +16,7 @@ from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig
 from splitlearn.merge import client_copy, merge_stages, stage_of, trunk_copy
 from splitlearn.messages import record_to_state, state_to_record
-from splitlearn.split import bottom_state
+from splitlearn.stages import bottom_state
 from tests.conftest import digits_like_model, fixed_batches
 
 LR = 0.1
@@ -155,7 +155,7 @@ def test_ushaped_clients_at_different_cuts_merge_heads_tails_and_the_middle_per_
     clients alone, every other stage over every copy that trained it; the clients get back
     heads below the deepest cut and the tail."""
     from server.sessions.ushaped import UShapedSession
-    from splitlearn.split import ushaped_state
+    from splitlearn.stages import ushaped_state
 
     model = digits_like_model()
     tail_cut = 4

@@ -25,7 +25,7 @@ from splitlearn.dataplane.node_keys import (
     public_key_problem,
     verifies,
 )
-from strategies.node_keys import NodeKeys
+from strategies.key_exchange import NodeKeys
 from tests.conftest import small_config
 from tests.helpers import ScriptedGrid
 

@@ -32,7 +32,7 @@ from splitlearn.dataplane import (
 )
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor
-from splitlearn.device_sgd import DeviceSGD
+from splitlearn.light_sgd import LightSGD
 from splitlearn.messages import SMASHED_RECORD_KEY
 from splitlearn.models import build_model
 from splitlearn.privacy import (
@@ -54,7 +54,7 @@ from splitlearn.privacy.registry import (
     ReleaseAtCut,
     UnprotectableRelease,
 )
-from splitlearn.split import split
+from splitlearn.stages import split
 from tests.conftest import digits_like_model, fixed_batches, small_config
 
 # --- clipping ---------------------------------------------------------------------------
@@ -323,7 +323,7 @@ def test_none_privacy_changes_nothing_in_the_round():
     assert privacy.batches() is loader
     layer = nn.Linear(2, 2)
     optimizer = privacy.make_optimizer(layer, lr=0.1, momentum=0.5, weight_decay=0.01)
-    assert type(optimizer) is DeviceSGD  # torch's SGD update (test_device_sgd.py)
+    assert type(optimizer) is LightSGD  # torch's SGD update (test_light_sgd.py)
     assert (optimizer.lr, optimizer.momentum, optimizer.weight_decay) == (0.1, 0.5, 0.01)
     assert optimizer.params == list(layer.parameters())
 

@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from opacus.accountants import RDPAccountant
 
-from clients.secure import clip_update
+from clients.secagg import clip_update
 from protocols import check_config, compose_config
 from splitlearn.privacy.floor import PrivacyFloor, PrivacyFloorViolation
 from strategies.privacy import update_epsilon
-from strategies.secure import _count_or_fraction
+from strategies.secure_aggregation import _count_or_fraction
 
 
 def composed(*overrides: str):  # noqa: ANN201 - a DictConfig ready for preflight

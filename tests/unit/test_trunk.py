@@ -33,7 +33,7 @@ from splitlearn.config import DataPlaneConfig
 from splitlearn.dataplane import FrameError, Reason, Session, SessionGrant, TrunkRejected
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor, encode_tensor
-from splitlearn.split import bottom_state
+from splitlearn.stages import bottom_state
 from tests.conftest import digits_like_model, fixed_batches, small_config
 from tests.helpers import imports_in_a_fresh_process, max_param_diff
 

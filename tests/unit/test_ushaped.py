@@ -42,7 +42,7 @@ from splitlearn.messages import record_to_state
 from splitlearn.planning.clock import ClientMeasurement
 from splitlearn.planning.devices import DeviceProfile
 from splitlearn.privacy import ClientPrivacy
-from splitlearn.split import (
+from splitlearn.stages import (
     load_bottom_state,
     resolve_tail_cut,
     split_u,

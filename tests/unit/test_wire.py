@@ -11,7 +11,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from splitlearn.messages import record_to_state, state_to_record
-from splitlearn.split import bottom_state, load_bottom_state
+from splitlearn.stages import bottom_state, load_bottom_state
 from tests.conftest import digits_like_model, fixed_batches
 
 

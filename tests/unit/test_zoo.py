@@ -17,7 +17,7 @@ from splitlearn.data import describe_dataset
 from splitlearn.models import MODELS, ZOO, SplittableModel, build_model, total_cost
 from splitlearn.models.base import segment_memory_bytes_per_sample
 from splitlearn.models.vit import AttentionCore, choose_patch_size
-from splitlearn.split import bottom_state, bottom_state_keys, split
+from splitlearn.stages import bottom_state, bottom_state_keys, split
 
 # Equivalence tests run at 16x16 (32x32 for the cheap ones): every stride rule is
 # exercised and the whole file stays well under 20 s on one thread.

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from splitlearn.models import MODELS, SplittableModel, build_model
-from splitlearn.split import bottom_state, bottom_state_keys, load_bottom_state, split
+from splitlearn.stages import bottom_state, bottom_state_keys, load_bottom_state, split
 
 CASES = [(name, cut) for name in sorted(MODELS) for cut in (1, 2, 3, 4)]
 

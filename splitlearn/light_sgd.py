@@ -4,8 +4,8 @@ The first ``torch.optim.Optimizer`` a process builds imports ``torch._dynamo``
 (its methods are wrapped to keep the compiler out): 2.9 s in a fresh process on a
 2-core host, against 0.5 ms for every later one. Flower's Deployment Engine starts
 a fresh ClientApp process for every message, so a device paid it every round; the
-server paid it once per run and once per trunk worker process.
-:class:`DeviceSGD` keeps the momentum buffers itself and steps through
+server paid it once per run and once per trunk worker process. Both sides step with it.
+:class:`LightSGD` keeps the momentum buffers itself and steps through
 ``torch.optim.sgd.sgd``, the function ``torch.optim.SGD.step`` calls, with the
 same arguments: the same update, bit for bit (the unit tests compare them). Its
 state dict has ``torch.optim.SGD``'s format, so either loads the other's.
@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.optim.sgd import sgd
 
 
-class DeviceSGD:
+class LightSGD:
     """SGD with momentum and weight decay over ``params`` (one parameter group).
 
     Parameters
@@ -97,7 +97,7 @@ class DeviceSGD:
         group = groups[0]
         if group.get("dampening", 0) or group.get("nesterov") or group.get("maximize"):
             raise ValueError("the saved optimiser uses dampening, Nesterov or maximize, "
-                             "which DeviceSGD does not step")
+                             "which LightSGD does not step")
         self.lr, self.momentum = group["lr"], group["momentum"]
         self.weight_decay = group["weight_decay"]
         by_saved_id = dict(zip(group["params"], self.params, strict=True))

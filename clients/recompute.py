@@ -1,4 +1,7 @@
-"""Per-stage activation checkpointing for the device's stages.
+"""Activation recomputation for the device's stages (PyTorch's "activation checkpointing").
+
+Not to be confused with a run's checkpoints (:mod:`server.checkpoint`), which save the
+weights after every round.
 
 With checkpointing, each stage runs under
 :func:`torch.utils.checkpoint.checkpoint` (non-reentrant): the forward keeps only

@@ -1,4 +1,4 @@
-"""DeviceSGD steps exactly as torch.optim.SGD, without building a torch Optimizer."""
+"""LightSGD steps exactly as torch.optim.SGD, without building a torch Optimizer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from splitlearn.device_sgd import DeviceSGD
+from splitlearn.light_sgd import LightSGD
 from tests.helpers import imports_in_a_fresh_process
 
 
@@ -29,7 +29,7 @@ def test_every_step_is_torchs_sgd_bit_for_bit(lr, momentum, weight_decay, steps,
     if frozen:  # a parameter without a gradient is left alone by both
         ours[0].bias.requires_grad_(False)
         reference[0].bias.requires_grad_(False)
-    mine = DeviceSGD(ours.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    mine = LightSGD(ours.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     torchs = torch.optim.SGD(reference.parameters(), lr=lr, momentum=momentum,
                              weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
@@ -68,7 +68,7 @@ def momentum_by_index(state_dict) -> dict[int, torch.Tensor]:
 def test_the_state_dict_is_torchs_and_each_loads_the_others(momentum, seed):
     ours, reference = two_copies(seed)
     hyper = {"lr": 0.05, "momentum": momentum, "weight_decay": 1e-4}
-    mine, torchs = DeviceSGD(ours.parameters(), **hyper), torch.optim.SGD(
+    mine, torchs = LightSGD(ours.parameters(), **hyper), torch.optim.SGD(
         reference.parameters(), **hyper)
     step_both([(ours, mine), (reference, torchs)], seed)
     saved_mine, saved_torchs = mine.state_dict(), torchs.state_dict()
@@ -76,8 +76,8 @@ def test_the_state_dict_is_torchs_and_each_loads_the_others(momentum, seed):
     mine_momentum, torch_momentum = momentum_by_index(saved_mine), momentum_by_index(saved_torchs)
     assert mine_momentum.keys() == torch_momentum.keys()
     assert all(torch.equal(mine_momentum[i], torch_momentum[i]) for i in mine_momentum)
-    # Swap: a fresh DeviceSGD resumes torch's state and vice versa, and they stay equal.
-    resumed_mine = DeviceSGD(ours.parameters(), lr=1.0)
+    # Swap: a fresh LightSGD resumes torch's state and vice versa, and they stay equal.
+    resumed_mine = LightSGD(ours.parameters(), lr=1.0)
     resumed_mine.load_state_dict(saved_torchs)
     resumed_torchs = torch.optim.SGD(reference.parameters(), lr=1.0)
     resumed_torchs.load_state_dict(saved_mine)
@@ -88,18 +88,18 @@ def test_the_state_dict_is_torchs_and_each_loads_the_others(momentum, seed):
 
 def test_loading_returns_copies_and_refuses_another_shape():
     layer = nn.Linear(2, 2)
-    optimizer = DeviceSGD(layer.parameters(), lr=0.1, momentum=0.5)
+    optimizer = LightSGD(layer.parameters(), lr=0.1, momentum=0.5)
     layer(torch.ones(1, 2)).sum().backward()
     optimizer.step()
     saved = optimizer.state_dict()
-    fresh = DeviceSGD(layer.parameters(), lr=0.1)
+    fresh = LightSGD(layer.parameters(), lr=0.1)
     fresh.load_state_dict(saved)
     assert fresh.momentum == 0.5
     saved["state"][0]["momentum_buffer"].add_(1.0)  # the caller's tensor, not the loaded one
     assert not torch.equal(fresh.state[layer.weight]["momentum_buffer"],
                            saved["state"][0]["momentum_buffer"])
     with pytest.raises(ValueError, match="one group of 1"):
-        DeviceSGD([layer.weight], lr=0.1).load_state_dict(saved)
+        LightSGD([layer.weight], lr=0.1).load_state_dict(saved)
     nesterov = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.5, nesterov=True)
     with pytest.raises(ValueError, match="Nesterov"):
         fresh.load_state_dict(nesterov.state_dict())
@@ -107,7 +107,7 @@ def test_loading_returns_copies_and_refuses_another_shape():
 
 def test_zero_grad_drops_or_zeroes_the_gradients():
     layer = nn.Linear(2, 2)
-    optimizer = DeviceSGD(layer.parameters(), lr=0.1)
+    optimizer = LightSGD(layer.parameters(), lr=0.1)
     layer(torch.ones(1, 2)).sum().backward()
     optimizer.zero_grad(set_to_none=False)
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in layer.parameters())
@@ -120,9 +120,9 @@ def test_a_fresh_process_steps_without_importing_torchs_compiler():
     assert not imports_in_a_fresh_process("""
         import torch
         from torch import nn
-        from splitlearn.device_sgd import DeviceSGD
+        from splitlearn.light_sgd import LightSGD
         m = nn.Linear(2, 2)
-        o = DeviceSGD(m.parameters(), lr=0.1, momentum=0.5)
+        o = LightSGD(m.parameters(), lr=0.1, momentum=0.5)
         m(torch.ones(1, 2)).sum().backward()
         o.step()
         """, "torch._dynamo")
