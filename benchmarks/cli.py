@@ -76,6 +76,11 @@
     The trunk's step taken from one thread, alternating between two threads, and
     alternating with ``dataplane.trunk_sticky_core``; see :mod:`benchmarks.handoff`.
 
+``parser``
+    The worst frames a device can send (repeated entries, unknown fields, merged
+    messages, nested groups) and an honest batch, decoded as the trunk decodes every
+    request, at sizes up to the 64 MiB frame limit; see :mod:`benchmarks.parser`.
+
 ``allocator``
     Page faults per trunk step with glibc's malloc as set by default and as the
     trunk sets it (``dataplane.trunk_reuses_memory``); see :mod:`benchmarks.allocator`.
@@ -415,6 +420,13 @@ def bench_handoff_suite(overrides: Sequence[str]) -> None:
     bench_handoff(overrides)
 
 
+def bench_parser_suite(overrides: Sequence[str]) -> None:
+    """Time the decoder on the worst frames (:mod:`benchmarks.parser`)."""
+    from benchmarks.parser import bench_parser
+
+    bench_parser(overrides)
+
+
 def bench_allocator_suite(overrides: Sequence[str]) -> None:
     """Count the trunk step's page faults per allocator setting (:mod:`benchmarks.allocator`)."""
     from benchmarks.allocator import bench_allocator
@@ -429,7 +441,7 @@ BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
               "tls": bench_tls, "executorch": bench_executorch,
               "executorch-rounds": bench_executorch_rounds_suite, "netns": bench_netns_suite,
               "trunk": bench_trunk_suite, "handoff": bench_handoff_suite,
-              "allocator": bench_allocator_suite}
+              "allocator": bench_allocator_suite, "parser": bench_parser_suite}
 
 
 def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:

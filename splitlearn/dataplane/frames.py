@@ -44,6 +44,12 @@ _ZERO_DOUBLE = bytes(8)
 _UNSET = object()
 
 
+#: Fields (and packed entries) a frame may hold, read or skipped: a real request has a few
+#: dozen. The reader does constant work per field, so this bounds a frame's decoding in
+#: time as well as size; a frame beyond it is refused before more is read.
+MAX_FRAME_FIELDS = 4096
+
+
 #: Below this size a frame is read by protobuf's C parser instead: its copies of a small
 #: frame cost less than reading fields in Python (a 32 KiB request: about 1 us against
 #: 15 us; the copies of an 8 MiB one: about 2 ms against none).
@@ -51,7 +57,25 @@ SMALL_FRAME_BYTES = 64 * 1024
 
 
 class FrameDecodeError(ValueError):
-    """The bytes are not an encoding of the message (protobuf's parser refuses them too)."""
+    """The bytes are not an encoding of the message (protobuf's parser refuses them too).
+
+    Or they hold more than :data:`MAX_FRAME_FIELDS` fields, which only the frame reader
+    refuses (protobuf would read them, in time linear in their number).
+    """
+
+
+class _Budget:
+    """Fields a frame's reader may still visit (see :data:`MAX_FRAME_FIELDS`)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, fields: int) -> None:
+        self.left = fields
+
+    def spend(self, fields: int = 1) -> None:
+        self.left -= fields
+        if self.left < 0:
+            raise FrameDecodeError(f"more than {MAX_FRAME_FIELDS} fields in one frame")
 
 
 def _int32(value: int) -> int:
@@ -356,12 +380,30 @@ class Frame:
         """
         view = flat_bytes(data, "data")
         frame = cls._empty(schema(message.DESCRIPTOR))
-        frame._read(view, 0, len(view), 0)
+        frame._read(view, 0, len(view), 0, _Budget(MAX_FRAME_FIELDS))
+        frame._freeze()
         return frame
 
-    def _read(self, buf: memoryview, pos: int, end: int, depth: int) -> None:
+    def _freeze(self) -> None:
+        """Turn the lists repeated fields were read into into tuples, here and below."""
+        for name, value in self._values.items():
+            if type(value) is list:
+                self._values[name] = tuple(value)
+            elif type(value) is Frame:
+                value._freeze()
+
+    def _repeated(self, field: _Field) -> list[int]:
+        """Return the list a repeated field is read into (one, however often it recurs)."""
+        values = self._values.get(field.name)
+        if type(values) is not list:
+            values = list(values or ())
+            self._set(field, values)
+        return values  # type: ignore[return-value]
+
+    def _read(self, buf: memoryview, pos: int, end: int, depth: int, budget: _Budget) -> None:
         by_number = self._schema.by_number
         while pos < end:
+            budget.spend()
             tag = buf[pos]
             if tag < 0x80:
                 pos += 1
@@ -378,14 +420,14 @@ class Frame:
                 # An unknown field, or a known one with another wire type, is skipped,
                 # as protobuf does (it keeps them as unknown fields; nothing here reads
                 # those).
-                pos = _skip(buf, pos, end, wire_type, number, depth)
+                pos = _skip(buf, pos, end, wire_type, number, depth, budget)
                 continue
             if wire_type == _LEN:
                 length, pos = _read_varint(buf, pos, end)
                 stop = pos + length
                 if stop > end:
                     raise FrameDecodeError(f"field {number} runs past the end of its message")
-                self._take_span(field, buf, pos, stop, depth + 1)
+                self._take_span(field, buf, pos, stop, depth + 1, budget)
                 pos = stop
             elif wire_type == _I64:
                 if pos + 8 > end:
@@ -394,13 +436,13 @@ class Frame:
                 pos += 8
             else:
                 value, pos = _read_varint(buf, pos, end)
-                value = field.decode(value)
                 if field.kind == _REPEATED:
-                    value = (*self._values.get(field.name, ()), value)
-                self._set(field, value)
+                    self._repeated(field).append(field.decode(value))
+                else:
+                    self._set(field, field.decode(value))
 
-    def _take_span(self, field: _Field, buf: memoryview, start: int, stop: int, depth: int
-                   ) -> None:
+    def _take_span(self, field: _Field, buf: memoryview, start: int, stop: int, depth: int,
+                   budget: _Budget) -> None:
         kind = field.kind
         if kind == _BYTES:
             self._set(field, buf[start:stop])
@@ -409,24 +451,25 @@ class Frame:
             sub = self._values.get(field.name)
             if sub is None:
                 sub = Frame._empty(field.sub)  # type: ignore[arg-type]
-            sub._read(buf, start, stop, depth)
+            sub._read(buf, start, stop, depth, budget)
             self._set(field, sub)
         elif kind == _MESSAGE:
             sub = self._values.get(field.name)
             if sub is None:
                 sub = field.sub()  # type: ignore[operator]
-            _walk(buf, start, stop, depth)  # protobuf's nesting limit counts this level too
+            _walk(buf, start, stop, depth, budget)  # protobuf's nesting limit counts this level
             try:
                 sub.MergeFromString(bytes(buf[start:stop]))
             except DecodeError as err:
                 raise FrameDecodeError(f"{field.field.full_name}: {err}") from None
             self._set(field, sub)
         else:  # packed repeated
-            values = list(self._values.get(field.name, ()))
+            values = self._repeated(field)
+            decode = field.decode
             while start < stop:
+                budget.spend()
                 value, start = _read_varint(buf, start, stop)
-                values.append(field.decode(value))
-            self._set(field, tuple(values))
+                values.append(decode(value))
 
 
 def read(message: type[Message], data: bytes) -> Frame | Message:
@@ -530,7 +573,8 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
             raise FrameDecodeError("varint longer than 10 bytes")
 
 
-def _skip(buf: memoryview, pos: int, end: int, wire_type: int, number: int, depth: int) -> int:
+def _skip(buf: memoryview, pos: int, end: int, wire_type: int, number: int, depth: int,
+          budget: _Budget) -> int:
     """Return where the value of a field starting at ``pos`` ends, checking it is whole."""
     if wire_type == _VARINT:
         return _read_varint(buf, pos, end)[1]
@@ -540,7 +584,7 @@ def _skip(buf: memoryview, pos: int, end: int, wire_type: int, number: int, dept
         length, pos = _read_varint(buf, pos, end)
         stop = pos + length
     elif wire_type == _SGROUP:
-        return _skip_group(buf, pos, end, number, depth + 1)
+        return _skip_group(buf, pos, end, number, depth + 1, budget)
     else:
         raise FrameDecodeError(f"field {number} has wire type {wire_type}")
     if stop > end:
@@ -548,19 +592,22 @@ def _skip(buf: memoryview, pos: int, end: int, wire_type: int, number: int, dept
     return stop
 
 
-def _walk(buf: memoryview, pos: int, end: int, depth: int) -> None:
+def _walk(buf: memoryview, pos: int, end: int, depth: int, budget: _Budget) -> None:
     """Check that ``buf[pos:end]`` is a sequence of whole fields within the nesting limit."""
     while pos < end:
+        budget.spend()
         tag, pos = _read_varint(buf, pos, end)
         if tag > _MASK32 or not tag >> 3:
             raise FrameDecodeError(f"invalid tag {tag}")
-        pos = _skip(buf, pos, end, tag & 7, tag >> 3, depth)
+        pos = _skip(buf, pos, end, tag & 7, tag >> 3, depth, budget)
 
 
-def _skip_group(buf: memoryview, pos: int, end: int, number: int, depth: int) -> int:
+def _skip_group(buf: memoryview, pos: int, end: int, number: int, depth: int,
+                budget: _Budget) -> int:
     if depth > _MAX_DEPTH:
         raise FrameDecodeError("groups nested too deep")
     while True:
+        budget.spend()
         tag, pos = _read_varint(buf, pos, end)
         if tag > _MASK32 or not tag >> 3:
             raise FrameDecodeError(f"invalid tag {tag}")
@@ -568,4 +615,4 @@ def _skip_group(buf: memoryview, pos: int, end: int, number: int, depth: int) ->
             if tag >> 3 != number:
                 raise FrameDecodeError(f"group {number} ended by {tag >> 3}")
             return pos
-        pos = _skip(buf, pos, end, tag & 7, tag >> 3, depth)
+        pos = _skip(buf, pos, end, tag & 7, tag >> 3, depth, budget)

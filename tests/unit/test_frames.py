@@ -27,6 +27,7 @@ from splitlearn.dataplane.codec import (
     request,
 )
 from splitlearn.dataplane.frames import (
+    MAX_FRAME_FIELDS,
     SMALL_FRAME_BYTES,
     Frame,
     FrameDecodeError,
@@ -323,3 +324,68 @@ def test_a_damaged_large_request_is_refused_with_a_reason_on_either_path():
         with pytest.raises(FrameError) as refused:
             decode_request(damaged, max_bytes=1 << 24)
         assert refused.value.reason_name == "MALFORMED"
+
+
+# --- the reader's work is bounded by the frame's field budget, not by its size --------
+
+#: (Request field, Forward/Evaluate/... field) of each tensor whose ``shape`` repeats.
+SHAPED = [(2, 1), (2, 2), (2, 3), (3, 1), (3, 2), (4, 1), (5, 1), (5, 2), (5, 3)]
+
+
+def repeated_shape_frame(outer: int, inner: int, entries: int, spans: int, packed: bool,
+                         copies: int) -> bytes:
+    """A request whose tensor's ``shape`` holds ``entries`` ones, split over ``spans`` runs
+    (packed or one varint field each) and the tensor over ``copies`` occurrences."""
+    runs = [entries // spans + (i < entries % spans) for i in range(spans)]
+    if packed:
+        body = b"".join(length_prefixed(2, b"\x01" * n) for n in runs)
+    else:
+        body = b"\x10\x01" * entries
+    # A message field seen again is merged into the first: its shape entries add up.
+    message = b"".join(length_prefixed(inner, b"\x08\x01" + body) for _ in range(copies))
+    return b"\x08\x01" + length_prefixed(outer, message)
+
+
+def fields_read(data: bytes) -> tuple[int, object]:
+    """Parse ``data`` as a Request, counting every field the reader visits."""
+    from unittest import mock
+
+    from splitlearn.dataplane import frames
+
+    visits = [0]
+    spend = frames._Budget.spend
+
+    def counting(self, fields=1):  # noqa: ANN001, ANN202
+        visits[0] += fields
+        spend(self, fields)
+
+    with mock.patch.object(frames._Budget, "spend", counting):
+        try:
+            return visits[0], Frame.parse(pb.Request, data)
+        except FrameDecodeError as err:
+            return visits[0], err
+
+
+@settings(max_examples=200, deadline=None)
+@given(where=st.sampled_from(SHAPED), entries=st.integers(0, 3 * MAX_FRAME_FIELDS),
+       spans=st.integers(1, 64), packed=st.booleans(), copies=st.integers(1, 3))
+def test_any_number_of_repeated_entries_reads_as_protobuf_or_stops_at_the_budget(
+        where, entries, spans, packed, copies):
+    data = repeated_shape_frame(*where, entries, min(spans, max(entries, 1)), packed, copies)
+    visits, parsed = fields_read(data)
+    if isinstance(parsed, FrameDecodeError):  # refused where the budget ran out, no later
+        assert "fields in one frame" in str(parsed) and visits == MAX_FRAME_FIELDS + 1
+        return
+    assert visits <= MAX_FRAME_FIELDS
+    same_fields(parsed, pb.Request.FromString(data))
+
+
+def test_the_repeated_shape_attack_at_the_frame_limit_is_refused_within_the_budget():
+    """90,000 repeated shape entries (175 KiB; 13-21 s of parsing before), and the same at
+    the 64 MiB frame limit: refused as soon as the budget runs out, whatever the size."""
+    for entries in (90_000, (64 << 20) // 2 - 64):
+        data = repeated_shape_frame(2, 1, entries, 1, packed=False, copies=1)
+        visits, parsed = fields_read(data)
+        assert isinstance(parsed, FrameDecodeError) and visits == MAX_FRAME_FIELDS + 1
+        with pytest.raises(FrameError, match="fields in one frame"):
+            decode_request(data, max_bytes=64 << 20)
