@@ -289,22 +289,23 @@ def test_clients_returning_other_stages_shapes_or_non_finite_weights_are_refused
 
 
 def test_the_hosts_speed_is_its_median_step_not_one_another_process_interrupted(monkeypatch):
-    import time
+    from types import SimpleNamespace
 
     from splitlearn import calibration
     from splitlearn.calibration import client_train_flops_per_sample, measure_host_flops_per_s
     from splitlearn.models import build_model
 
+    now = [0.0]  # the clock the measurement reads: each step advances it, nothing sleeps
     calls = []
 
     def step(bottom, inputs):  # noqa: ANN001, ANN202
         calls.append(1)
-        time.sleep(0.3 if len(calls) == 3 else 0.002)  # the second timed step is interrupted
+        now[0] += 0.3 if len(calls) == 3 else 0.002  # the second timed step is interrupted
 
     monkeypatch.setattr(calibration, "_train_step", step)
+    monkeypatch.setattr(calibration, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     model = build_model("cnn", in_channels=1, num_classes=10, image_size=8)
     flops = measure_host_flops_per_s(model, 1, batch_size=4, min_seconds=0.31)
     step_s = client_train_flops_per_sample(model, 1) * 4 / flops
-    # About 6 steps fit in 0.31 s, so their mean is over 40 ms; the median is a 2 ms step
-    # (20 ms leaves room for a loaded host's late wake-ups).
-    assert 0.002 <= step_s < 0.02
+    # Six steps fill 0.31 s, so their mean is over 50 ms; the median is a 2 ms step.
+    assert step_s == pytest.approx(0.002)

@@ -179,13 +179,25 @@ def test_sweeps_keep_the_least_gap_and_a_stop_still_ends_the_wait() -> None:
     assert time.perf_counter() - started < 1.0
 
 
+class SlowTicks(threading.Event):
+    """A stop event whose waits last 100 times what they ask: Flower's 0.1 s tick is 10 s."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return super().wait(None if timeout is None else 100 * timeout)
+
+
 def test_the_engines_own_loop_hands_over_a_message_well_within_its_tick() -> None:
-    """Flower's loop sweeps every 0.1 s: a message stored 10 ms after a sweep waited ~90 ms."""
+    """Flower's loop sweeps every 0.1 s: a message stored 10 ms after a sweep waited ~90 ms.
+
+    The loop's tick is stretched to 10 s here (and the least gap between sweeps to 0.5 s),
+    so that a hand-over at the tick and a prompt one differ by far more than any load on
+    the machine can blur: no speed is asserted.
+    """
     with node_indexed_link_state():
         federation = Federation(3)
         mapping = {node_id: i for i, node_id in enumerate(federation.node_ids)}
         queue: Queue[Message] = Queue()
-        stop = threading.Event()
+        stop = SlowTicks()
         loop = threading.Thread(target=vce_api.add_messages_to_queue,
                                 args=(federation.state, queue, mapping, stop))
         loop.start()
@@ -195,10 +207,10 @@ def test_the_engines_own_loop_hands_over_a_message_well_within_its_tick() -> Non
             time.sleep(0.01)  # the loop has just swept (it delivered the last message)
             pushed = time.perf_counter()
             federation.push(tag % 3, tag)
-            assert int(queue.get(timeout=5).content["tag"]["tag"]) == tag
+            assert int(queue.get(timeout=30).content["tag"]["tag"]) == tag
             latencies.append(time.perf_counter() - pushed)
     finally:
         stop.set()
-        loop.join(5)
-    assert sorted(latencies)[2] < 0.05, latencies
+        loop.join(30)
+    assert max(latencies) < 5.0, latencies  # at the tick: 10 s
     assert vce_api.add_messages_to_queue is ORIGINAL_LOOP  # restored after the block
