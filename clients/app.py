@@ -34,6 +34,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from torch.utils.data import DataLoader, TensorDataset
 
 from clients.device import (
+    DECLARED_PROFILE_RECORD,
     PROFILE_KEY,
     ClientUnavailable,
     DeviceDeadline,
@@ -345,6 +346,18 @@ def node_key_reply(msg: Message, context: Context) -> Message:
     return Message(content=RecordDict({NODE_KEY_RECORD: public}), reply_to=msg)
 
 
+def with_declared_profile(content: RecordDict, context: Context) -> RecordDict:
+    """Add the preset this device declared (node config ``device-profile``) to a reply.
+
+    The server's client rows then name the preset the device said it is, not the
+    fleet the run emulates (``devices``), which real devices are no part of.
+    """
+    name = str(context.node_config.get(PROFILE_KEY, "") or "")
+    if name:
+        content[DECLARED_PROFILE_RECORD] = ConfigRecord({"name": name})
+    return content
+
+
 def _label_secret(context: Context) -> int:
     """Return the secret this node randomises its labels with (drawn once, then kept).
 
@@ -533,7 +546,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     content = RecordDict({"arrays": arrays, "metrics": metrics})
     for key, arrays in step.reply_arrays().items():
         content[key] = state_to_record(arrays)
-    return Message(content=content, reply_to=msg)
+    return Message(content=with_declared_profile(content, context), reply_to=msg)
 
 
 @dataclass(frozen=True)
@@ -675,7 +688,7 @@ def status_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
             STATUS_KEY: ConfigRecord({"status": declined.kind, "reason": str(declined)}),
             "metrics": metrics,
         })
-        return Message(content=content, reply_to=msg)
+        return Message(content=with_declared_profile(content, context), reply_to=msg)
 
 
 def build_client_app(open_channel: ChannelFactory = grpc_channel) -> ClientApp:

@@ -22,6 +22,11 @@ carries what the ClientApp reads on this device:
     Its privacy floor and ledger (:mod:`splitlearn.privacy.floor`,
     :mod:`splitlearn.privacy.ledger`): the server cannot ask it for less.
 
+The SuperNode also serves a runtime API on 127.0.0.1 for the ClientApp processes it
+starts, on Flower's port 9094 by default: a second device on the same host finds it
+taken, so without ``--port`` this takes a free one and says which, and a ``--port``
+that is taken fails here, naming it, instead of in Flower.
+
 Only the client's dependencies are imported here and in the ClientApp (no Ray, Hydra
 or W&B). ``--dry-run`` prints the SuperNode command instead of running it.
 """
@@ -32,6 +37,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,8 +74,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--partition-id", type=int, default=0,
                         help="this device's index (its share of the run's data without --data)")
     parser.add_argument("--num-partitions", type=int, default=1)
-    parser.add_argument("--port", type=int, default=None,
-                        help="port of the SuperNode's local runtime API (Flower's default: 9094)")
+    parser.add_argument("--port", type=port_number, default=None, metavar="PORT",
+                        help="port of the SuperNode's runtime API on 127.0.0.1, one per "
+                             f"SuperNode on a host (default: {FLOWER_RUNTIME_PORT}, or a free "
+                             "one if that is taken)")
     parser.add_argument("--max-wait-time", type=float, default=None,
                         help="give up after this many seconds without the SuperLink")
     floor = parser.add_argument_group("privacy floor (what this device accepts from the server)")
@@ -86,6 +94,52 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                        help="where this device keeps its privacy spend across restarts")
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     return parser.parse_args(argv)
+
+
+#: Flower's default port for a SuperNode's runtime API (``flower-supernode --port``).
+FLOWER_RUNTIME_PORT = 9094
+#: Where the SuperNode serves it (``flower-supernode --host``'s default).
+RUNTIME_HOST = "127.0.0.1"
+
+
+def port_number(text: str) -> int:
+    """Parse a TCP port (argparse names the flag with the message this raises)."""
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (1-65535)")
+    return int(text)
+
+
+def port_is_free(port: int, host: str = RUNTIME_HOST) -> bool:
+    """Whether a server could listen on ``host:port`` now (as the SuperNode's would)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def runtime_port(requested: int | None) -> tuple[int, str | None]:
+    """Return the SuperNode's runtime API port, and a note when it is not the one expected.
+
+    ``requested`` (``--port``) must be free: ValueError naming the flag otherwise. Without
+    it, Flower's :data:`FLOWER_RUNTIME_PORT` if free, else any free port (another SuperNode
+    on this host holds Flower's). A port could still be taken between this look and the
+    SuperNode's start; Flower then fails naming the address.
+    """
+    if requested is not None:
+        if not port_is_free(requested):
+            raise ValueError(f"--port {requested}: {RUNTIME_HOST}:{requested} is in use (another "
+                             "SuperNode on this host?); give each SuperNode its own --port")
+        return requested, None
+    if port_is_free(FLOWER_RUNTIME_PORT):
+        return FLOWER_RUNTIME_PORT, None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((RUNTIME_HOST, 0))
+        port = probe.getsockname()[1]
+    return port, (f"port {FLOWER_RUNTIME_PORT} is in use (another SuperNode on this host?): "
+                  f"this SuperNode's runtime API takes {port} (choose one with --port)")
 
 
 def default_cache_dir() -> Path:
@@ -132,8 +186,11 @@ def format_node_config(config: dict[str, object]) -> str:
     return " ".join(parts)
 
 
-def supernode_command(args: argparse.Namespace) -> list[str]:
-    """Return the ``flower-supernode`` command line for ``args``."""
+def supernode_command(args: argparse.Namespace, *, port: int | None = None) -> list[str]:
+    """Return the ``flower-supernode`` command line for ``args``.
+
+    ``port`` is the runtime API's (see :func:`runtime_port`); None: ``--port``, if given.
+    """
     executable = Path(sys.executable).with_name("flower-supernode")
     command = [str(executable) if executable.exists() else
                shutil.which("flower-supernode") or "flower-supernode",
@@ -145,8 +202,9 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
         command += ["--root-certificates", str(args.root_certificates.resolve())]
     if args.auth_key is not None:
         command += ["--auth-supernode-private-key", str(args.auth_key.resolve())]
-    if args.port is not None:
-        command += ["--port", str(args.port)]
+    port = args.port if port is None else port
+    if port is not None:
+        command += ["--port", str(port)]
     if args.max_wait_time is not None:
         command += ["--max-wait-time", str(args.max_wait_time)]
     return command
@@ -156,9 +214,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Check the arguments, then become the SuperNode (or print its command)."""
     args = parse_args(argv)
     try:
-        command = supernode_command(args)
+        port, note = runtime_port(args.port)
+        command = supernode_command(args, port=port)
     except ValueError as err:
         sys.exit(f"clients.connect: {err}")
+    if note is not None:
+        print(f"clients.connect: {note}", file=sys.stderr, flush=True)
     if args.dry_run:
         print(" ".join(command))
         return

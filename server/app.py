@@ -119,6 +119,8 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
     check_config(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # Under `flwr run` a relative folder lands in the SuperLink's working folder: say where.
+    log.info("run folder: %s", run_dir.resolve())
     resumed = load_checkpoint(run_dir, config=to_container(cfg)) if cfg.resume else None
     set_up_trunk_process(cfg.dataplane)
     protocol = protocol_named(cfg.strategy.name)
@@ -407,6 +409,8 @@ class RoundReporter:
         return loss, accuracy
 
     def _with_profile(self, row: dict[str, Any]) -> dict[str, Any]:
+        if row.get("profile"):  # a real device's declared preset (strategies.reporting)
+            return row
         fleet = self.runtime.fleet
         if fleet is None:
             return row | {"profile": "host"}
@@ -465,7 +469,7 @@ def collect_replies_promptly(grid: Grid) -> None:
     """Look for replies every :data:`REPLY_POLL_S` in the Simulation Engine.
 
     The Deployment Engine's grid keeps Flower's polling: there a faster one made rounds
-    slower on 2 cores (docs/benchmarks.md).
+    slower on 2 cores (benchmarks/results/2026-12-deployment.md).
     """
     if isinstance(grid, InMemoryGrid):
         grid.pull_interval = REPLY_POLL_S
@@ -541,19 +545,24 @@ def config_from_run_config(run_config: dict[str, Any]) -> DictConfig:
 
 #: The project's loggers (Flower's own logger keeps its own handler).
 PROJECT_LOGGERS = ("server", "strategies", "splitlearn", "clients", "experiments", "protocols")
+#: Flower's logger: its rounds, samples and replies (it prints them itself).
+FLOWER_LOGGER = "flwr"
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
 @contextmanager
 def run_log(run_dir: str | Path) -> Iterator[None]:
-    """Send the project's INFO logs to ``run_dir/run.log`` and to stderr while a run lasts.
+    """Send the project's and Flower's INFO logs to ``run_dir/run.log`` while a run lasts.
 
-    ``python -m experiments.run`` has Hydra's logging for this; a ServerApp that
-    the SuperLink starts (``flwr run``) has none, and its logs (trunk addresses,
-    workers, refusals) would be lost. stderr is what ``flwr log`` shows.
+    ``python -m experiments.run`` has Hydra's logging for this (the root logger, which
+    Flower's logger reaches too); a ServerApp that the SuperLink starts (``flwr run``)
+    has none. The project's lines also go to stderr, which ``flwr run --stream`` and
+    ``flwr log`` show; Flower's logger prints its own there already.
     """
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    handlers = [logging.FileHandler(Path(run_dir) / "run.log"), logging.StreamHandler()]
+    file = logging.FileHandler(Path(run_dir) / "run.log")
+    file.setLevel(logging.INFO)  # Flower's logger passes DEBUG lines on
+    handlers = [file, logging.StreamHandler()]
     for handler in handlers:
         handler.setFormatter(logging.Formatter(LOG_FORMAT))
     loggers = [logging.getLogger(name) for name in PROJECT_LOGGERS]
@@ -562,9 +571,12 @@ def run_log(run_dir: str | Path) -> Iterator[None]:
         logger.setLevel(logging.INFO)
         for handler in handlers:
             logger.addHandler(handler)
+    flower = logging.getLogger(FLOWER_LOGGER)
+    flower.addHandler(file)
     try:
         yield
     finally:
+        flower.removeHandler(file)
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
             for handler in handlers:

@@ -45,6 +45,11 @@ SUMMED_METRICS = ("num-examples", "steps", "bytes-up", "bytes-down", "weights-by
                   "weights-bytes-down", "compute-s", "setup-s", "handler-s")
 #: Metrics whose round value is the worst client's (the slowest device sets the pace).
 MAX_METRICS = ("virtual-s", "epsilon", "epsilon-vs-server", "peak-memory-bytes")
+#: Reply record of the preset a real device declared (``clients.device``'s record of that
+#: name, ``{"name": PRESET}``): its row's ``profile``.
+DECLARED_PROFILE_RECORD = "device-profile"
+#: A declared name longer than this is cut (it is the device's text, not a checked preset).
+PROFILE_NAME_CHARS = 64
 #: Per-client labels, meaningless when averaged.
 CLIENT_ONLY_METRICS = ("partition-id", "cut", "checkpoint", "memory-budget", "round-examples",
                        "round-steps")
@@ -142,6 +147,8 @@ def client_row(reply: Message, status: str) -> dict[str, Any]:
         return row | {"reason": lines[-1][:200] if lines else ""}
     if (declined := reply.content.config_records.get(STATUS_KEY)) is not None:
         row["reason"] = str(declined["reason"])
+    if (declared := reply.content.config_records.get(DECLARED_PROFILE_RECORD)) is not None:
+        row["profile"] = str(declared.get("name", ""))[:PROFILE_NAME_CHARS]
     metrics = reply_metrics(reply)
     # Partition ids are short and stable across runs; node ids are neither.
     if "partition-id" in metrics:

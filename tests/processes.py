@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,3 +46,23 @@ def superlink_answers(port: int, *, ca: Path | None = None) -> bool:
         return httpx.get(url, verify=str(ca) if ca else True, timeout=2).is_success
     except httpx.HTTPError:
         return False
+
+
+def pids_in_environment(name: str, value: str) -> list[int]:
+    """PIDs (not this one) whose environment sets ``name`` to ``value``.
+
+    A test that gives the processes it starts a home folder of their own finds by it every
+    process they caused, detached ones included (Flower's SuperExec and its apps), whose
+    command lines need not name anything of the test's.
+    """
+    wanted = f"{name}={value}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                environment = (proc / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if wanted in environment:
+                pids.append(int(proc.name))
+    return pids

@@ -88,6 +88,8 @@ def test_node_config_declares_the_device_and_its_data_or_the_node_declines(tmp_p
     assert by_partition[0]["status"] == "ok"
     assert int(by_partition[0]["num_examples"]) == size  # its own file, one local epoch
     assert float(by_partition[0]["memory_budget"]) == preset_profiles()["wearable"]["memory_bytes"]
+    # clients.csv names the preset each device declared (none: the server's default, host).
+    assert [by_partition[p]["profile"] for p in range(3)] == ["wearable", "host", "toaster"]
     assert by_partition[1]["status"] == "failed"
     assert "missing.parquet: no parquet file" in by_partition[1]["reason"]
     assert by_partition[2]["status"] == "failed"

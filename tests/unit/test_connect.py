@@ -104,3 +104,45 @@ def test_a_device_keeps_its_data_in_its_cache_folder_unless_told_not_to(tmp_path
     assert node_config(args("--cache-dir", str(tmp_path / "mine")))[CACHE_KEY] == str(
         tmp_path / "mine")
     assert CACHE_KEY not in node_config(args("--no-cache"))
+
+
+def test_a_taken_port_is_named_and_without_one_a_free_one_is_taken(monkeypatch):
+    import socket
+
+    from clients import connect
+
+    with socket.create_server(("127.0.0.1", 0)) as held:  # another SuperNode's runtime API
+        taken = held.getsockname()[1]
+        with pytest.raises(ValueError, match=f"--port {taken}: 127.0.0.1:{taken} is in use"):
+            connect.runtime_port(taken)
+        monkeypatch.setattr(connect, "FLOWER_RUNTIME_PORT", taken)  # Flower's default is taken
+        port, note = connect.runtime_port(None)
+        assert port != taken and connect.port_is_free(port)
+        assert f"port {taken} is in use" in note and "--port" in note
+    assert connect.runtime_port(None) == (taken, None)  # free again: Flower's own
+    command = supernode_command(args(), port=port)
+    assert command[command.index("--port") + 1] == str(port)
+    with pytest.raises(SystemExit):
+        args("--port", "70000")
+
+
+def test_a_devices_reply_names_the_preset_it_declared_and_its_row_shows_it(task_identity):
+    from flwr.app import Context, Message, MetricRecord, RecordDict
+
+    from clients.app import with_declared_profile
+    from clients.device import DECLARED_PROFILE_RECORD
+    from strategies import reporting
+
+    assert DECLARED_PROFILE_RECORD == reporting.DECLARED_PROFILE_RECORD  # both sides' key
+
+    def row(node_config: dict) -> dict:
+        context = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(),
+                          run_config={})
+        content = with_declared_profile(
+            RecordDict({"metrics": MetricRecord({"partition-id": 0})}), context)
+        sent = Message(content=RecordDict(), dst_node_id=7, message_type="train.splitfed_v2")
+        return reporting.client_row(Message(content, reply_to=sent), "ok")
+
+    assert row({PROFILE_KEY: "raspberry_pi_4"})["profile"] == "raspberry_pi_4"
+    assert "profile" not in row({})  # the server's fleet (or "host") says
+    assert row({PROFILE_KEY: "x" * 500})["profile"] == "x" * reporting.PROFILE_NAME_CHARS
