@@ -42,6 +42,7 @@ from server.checkpoint import (
     restore_random_states,
     save_checkpoint,
 )
+from server.guard import reference_rows
 from server.trunk import Trunk
 from server.workers import (
     TrunkRecipe,
@@ -68,7 +69,7 @@ from splitlearn.models.factory import source_module
 from splitlearn.planning.clock import VirtualClock, round_time
 from splitlearn.planning.cost import CutCost, with_compression, with_kept_samples
 from splitlearn.planning.devices import DeviceProfile, build_fleet
-from splitlearn.privacy import with_release_at_cut
+from splitlearn.privacy import GaussianActivationMechanism, with_release_at_cut
 from splitlearn.stages import load_bottom_state
 from splitlearn.tracking import CompositeSink, make_sinks
 from strategies.adaptive import CutPlanning, build_planner, prior_state
@@ -312,6 +313,10 @@ def memory_usage(rows: list[dict[str, Any]]) -> float:
     return max(shares, default=0.0)
 
 
+#: Held-out examples whose rows calibrate the trunk's guard each round.
+REFERENCE_ROWS = 256
+
+
 class RoundReporter:
     """Reports each round: the strategy's ``on_round`` outcome, then Flower's ``evaluate_fn``.
 
@@ -362,12 +367,13 @@ class RoundReporter:
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Evaluate and log ``server_round``; return the test metrics."""
+        joined = joined_model(self.runtime, arrays)
         deployed = with_release_at_cut(  # the trunk only ever sees released rows
-            joined_model(self.runtime, arrays), cut=self.runtime.spec.model.cut,
-            settings=self.runtime.spec.privacy,
+            joined, cut=self.runtime.spec.model.cut, settings=self.runtime.spec.privacy,
         )
         evaluating = time.perf_counter()
         loss, accuracy = self._evaluate(deployed)
+        self._seed_guard(joined, deployed)
         evaluate_s = time.perf_counter() - evaluating
         metrics: dict[str, float] = {}
         outcome = self._outcomes.pop(server_round, None)
@@ -379,6 +385,8 @@ class RoundReporter:
         metrics |= {"test_accuracy": accuracy, "test_loss": loss, "evaluate_s": evaluate_s,
                     "wall_s": time.perf_counter() - self.started}
         metrics |= self._advance_clock(outcome, rows)
+        if (guard := self.runtime.trunk.guard) is not None:
+            metrics |= guard.take_books()  # refused frames, clipped steps, quarantined devices
         if usage := memory_usage(rows):
             metrics["memory_over_budget"] = usage  # measured peak / budget, worst client
         planning = self.runtime.planning
@@ -396,6 +404,39 @@ class RoundReporter:
         if server_round and self.after_round is not None:
             self.after_round(server_round, arrays)
         return MetricRecord({"test-accuracy": accuracy, "test-loss": loss})
+
+    def _seed_guard(self, joined: SplittableModel, deployed: nn.Module) -> None:
+        """Calibrate the trunk's guard on what honest devices send this round.
+
+        The rows the round's model gives the server's own held-out examples at every cut
+        in play (and a device tail's gradient): no device can bias them, and the bounds
+        hold from a round's first frame, with no warm-up an attacker could use. Trunk
+        workers (other processes) calibrate from the rows they see.
+        """
+        guard = self.runtime.trunk.guard
+        if guard is None or self.runtime.workers is not None:
+            return
+        planning, spec = self.runtime.planning, self.runtime.spec
+        inputs, labels = next(iter(self.test_loader))
+        count = min(len(inputs), REFERENCE_ROWS)
+        rows = reference_rows(
+            joined, inputs[:count], labels[:count],
+            cuts=sorted(planning.costs) if planning is not None else [spec.model.cut],
+            tail_cut=tail_cut_of(spec.strategy, joined), batch_size=spec.strategy.batch_size)
+        with torch.no_grad():
+            if deployed is not joined:  # activations leave a device released at its cut
+                release = deployed[spec.model.cut]  # type: ignore[index]
+                rows |= {key: release(value) for key, value in rows.items()
+                         if key[0] == "activations"}
+            if spec.privacy.gradient_noise_multiplier:  # a tail's gradient leaves noised
+                noise = GaussianActivationMechanism(
+                    clip_norm=spec.privacy.gradient_clip_norm,
+                    noise_multiplier=spec.privacy.gradient_noise_multiplier)
+                batch = spec.strategy.batch_size  # rows are scaled per example, as devices do
+                rows |= {key: noise(value * batch) / batch for key, value in rows.items()
+                         if key[0] == "gradient"}
+        for (what, cut), values in rows.items():
+            guard.seed(what, cut, values)
 
     def _evaluate(self, deployed: nn.Module) -> tuple[float, float]:
         # In the trunk's layout (1.6x faster for the SmallCNN alone; `deployed` is the

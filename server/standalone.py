@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 
 from protocols import protocol_named
+from server.guard import TrunkGuard
 from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane import SessionHandler, TokenRegistry, TrunkEndpoint, TrunkService
@@ -58,9 +59,10 @@ def build_trunk_side(model: SplittableModel, options: StrategyConfig,
         Start each step on the core the last one ended on.
     """
     protocol = protocol_named(options.name)
+    guard = TrunkGuard(dataplane.guard) if dataplane.guard.enabled else None
     trunk = Trunk(model, lr=options.lr, momentum=options.momentum,
                   weight_decay=options.weight_decay, channels_last=dataplane.channels_last,
-                  sticky_core=sticky_core)
+                  sticky_core=sticky_core, guard=guard)
     handler = protocol.trunk(trunk, options, dataplane) if protocol.trunk else None
     tokens = TokenRegistry()
     handlers = {protocol.name: handler} if handler is not None else {}

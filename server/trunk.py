@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -22,6 +23,7 @@ from torch import Tensor
 from torch.nn.utils import get_total_norm, parameters_to_vector
 
 from server.cores import StickyCore
+from server.guard import TrunkGuard
 from splitlearn.dataplane.codec import FrameError, Reason
 from splitlearn.light_sgd import LightSGD
 from splitlearn.models import SplittableModel
@@ -47,13 +49,19 @@ class Trunk:
     sticky_core : bool
         Start every step on the core the last one ended on, whichever thread takes it
         (:class:`server.cores.StickyCore`; Linux).
+    guard : TrunkGuard, optional
+        Bounds each device's influence (:mod:`server.guard`): its sessions admit rows
+        through it, and every step's update is clipped by it. None: no bounds beyond
+        the data plane's fixed ones.
     """
 
     def __init__(
         self, model: SplittableModel, *, lr: float, momentum: float = 0.0,
         weight_decay: float = 0.0, channels_last: bool | None = None, sticky_core: bool = True,
+        guard: TrunkGuard | None = None,
     ) -> None:
         self.model = model
+        self.guard = guard
         self.hyper = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
         self.channels_last = model.channels_last if channels_last is None else channels_last
         # Shapes never change; probing them per frame would run the model under
@@ -126,7 +134,7 @@ class Trunk:
             saved = self._save_buffers()
             try:
                 yield self._backward
-                self._check_gradients()
+                self._check_and_clip_gradients()
             except BaseException:
                 self.optimizer.zero_grad(set_to_none=True)
                 self._restore_buffers(saved)
@@ -149,14 +157,19 @@ class Trunk:
         with self._held(train=train):
             yield
 
-    def _check_gradients(self) -> None:
+    def _check_and_clip_gradients(self) -> None:
         # The optimiser's list: the model's own parameters() walks every module (~0.1 ms).
         grads = [p.grad for p in self.optimizer.params if p.grad is not None]
+        if not grads:
+            return
         # One fused pass: a NaN or infinite entry (or an overflowing norm) is not finite.
-        if grads and not torch.isfinite(get_total_norm(grads)):
+        norm = float(get_total_norm(grads))
+        if not math.isfinite(norm):
             raise FrameError(
                 Reason.STEP_NOT_FINITE, "the step's gradients are not finite; not applied"
             )
+        if self.guard is not None:
+            self.guard.clip(grads, norm)
 
     def _save_buffers(self) -> Tensor | None:
         # One flat copy (counts become floats: exact below 2**24 batches).
@@ -231,7 +244,8 @@ class Trunk:
         """Return an independent trunk on a copy of the model, with a fresh optimiser."""
         with self._lock:
             return Trunk(copy.deepcopy(self.model), **self.hyper,
-                         channels_last=self.channels_last, sticky_core=self.core.active)
+                         channels_last=self.channels_last, sticky_core=self.core.active,
+                         guard=self.guard)
 
     def snapshot(self) -> SplittableModel:
         """Return an independent copy of the whole server model."""

@@ -147,6 +147,34 @@ class CompressionConfig:
 
 
 @dataclass
+class GuardConfig:
+    """Bounds on one device's influence on a shared trunk (server/guard.py)."""
+
+    enabled: bool = True
+    # A row (an example's activations, or a returned gradient) is refused beyond this many
+    # times the median norm of recent rows at its cut (honest rows measured up to 8x: a
+    # ResNet's cut 4; 1.5x for the CNN, 3.5x for a U-shaped device's gradient).
+    row_factor: float = 20.0
+    min_rows: int = 128  # rows seen at a cut before its bound applies (unless seeded)
+    window_rows: int = 4096  # recent rows the bound is computed from
+    # A trunk step's gradient norm is clipped to this many times the median of recent
+    # steps' (0: not clipped).
+    update_clip: float = 5.0
+    min_steps: int = 20  # steps before clipping starts
+    window_steps: int = 32  # recent steps the median is taken over (norms grow 10x in round 1-2)
+    strikes: int = 2  # refused frames that quarantine a device for the rest of the round
+
+    def __post_init__(self) -> None:
+        if not self.row_factor > 1:
+            raise ValueError(f"dataplane.guard.row_factor={self.row_factor}: need > 1")
+        if not self.update_clip >= 0:
+            raise ValueError(f"dataplane.guard.update_clip={self.update_clip}: need >= 0")
+        for key in ("min_rows", "window_rows", "min_steps", "window_steps", "strikes"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"dataplane.guard.{key}={getattr(self, key)}: need >= 1")
+
+
+@dataclass
 class DataPlaneConfig:
     """The trunk's gRPC service and what it accepts."""
 
@@ -190,6 +218,7 @@ class DataPlaneConfig:
     ssl_keyfile: str | None = None
     ssl_ca_certfile: str | None = None
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
         if self.trunk_workers < 1:
@@ -250,7 +279,7 @@ class DevicePrivacyConfig:
 
 @dataclass
 class PrivacyConfig:
-    """Privacy of what leaves a client (README "Privacy" says what epsilon covers)."""
+    """Privacy of what leaves a client (docs/how-to/privacy.md says what epsilon covers)."""
 
     name: str = "none"  # none | activation_gaussian | dpsgd_client
     clip_norm: float = 1.0  # C: per-sample L2 bound (activation rows or gradients)
@@ -467,7 +496,7 @@ PLANNER_NAMES = ("uniform", "greedy", "dynsl", "smartsplit", "oracle", "rotate")
 
 @dataclass
 class PlannerConfig:
-    """Where each client is cut, round by round (README "Adaptive splits")."""
+    """Where each client is cut, round by round (docs/how-to/adaptive-splits.md)."""
 
     name: str = "uniform"  # uniform: every client at model.cut, as configured
     cuts: list[int] | None = None  # cuts a planner may give; None = every valid cut

@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 class BulkTrunk(Protocol):
     """What bulk mode needs of the trunk side."""
 
-    def train_bulk(self, client: str, cut: int, activations: Tensor, labels: Tensor) -> None:
+    def train_bulk(self, client: str, cut: int, activations: Tensor, labels: Tensor, *,
+                   server_round: int) -> None:
         """Validate one batch like a frame and train on it (ValueError: refused)."""
         ...
 
@@ -137,7 +138,8 @@ class LocalLossSplit(SplitFed):
         counts = {"trained": 0, "refused": 0}
         for client, acts, labels in batches:
             try:
-                trunk.train_bulk(client, self.assignment(int(client)).cut, acts, labels)
+                trunk.train_bulk(client, self.assignment(int(client)).cut, acts, labels,
+                                 server_round=server_round)
                 counts["trained"] += 1
             except ValueError as err:
                 counts["refused"] += 1

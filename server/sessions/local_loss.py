@@ -40,6 +40,7 @@ from torch import Tensor
 from protocols.local_loss import LocalLossOptions
 from server.sessions.split import (
     SharedTrunk,
+    admit,
     checked_batch,
     example_ids,
     prepare_feedback,
@@ -134,11 +135,13 @@ class SmashedSession:
         ids = example_ids(part, len(batch.labels), feedback=self.feedback,
                           max_bytes=self.dataplane.max_frame_bytes)
         if ids is None:
+            admit(self.trunk, batch.client, session.grant.server_round, "activations",
+                  batch.cut, batch.activations)
             return pb.Reply(ack=pb.Ack(queued=self._submit(batch)))
-        return self._submit_with_feedback(batch, ids, part)
+        return self._submit_with_feedback(batch, ids, part, server_round=session.grant.server_round)
 
-    def _submit_with_feedback(self, batch: _Batch, ids: Tensor, part: Frame | pb.Smashed
-                              ) -> AnyReply:
+    def _submit_with_feedback(self, batch: _Batch, ids: Tensor, part: Frame | pb.Smashed, *,
+                              server_round: int) -> AnyReply:
         """Queue reference + the sent difference; the references move once it is queued."""
         assert self.feedback is not None
         # Checked and made room for first: a refusal leaves the references as they were.
@@ -147,6 +150,7 @@ class SmashedSession:
         assert memory.uplink is not None
         acts = memory.uplink.reconstruct(ids, batch.activations)
         check_finite(acts, name="activations", max_abs=self.dataplane.max_abs_value)
+        admit(self.trunk, batch.client, server_round, "activations", batch.cut, acts)
         queued = self._submit(_Batch(batch.client, batch.cut, acts, batch.labels))
         memory.uplink.commit(ids, acts)
         dropped = self.feedback.keep(batch.client, memory)
@@ -240,7 +244,8 @@ class SmashedSession:
         """
         return self.pool.merge_round([client_copy(s, n) for s, n in updates], upto=upto)
 
-    def train_bulk(self, client: str, cut: int, activations: Tensor, labels: Tensor) -> None:
+    def train_bulk(self, client: str, cut: int, activations: Tensor, labels: Tensor, *,
+                   server_round: int) -> None:
         """Bulk mode: validate one batch of a reply's smashed data like a frame; train on it.
 
         Raises
@@ -251,6 +256,7 @@ class SmashedSession:
         part = build(pb.Smashed, activations=encode_tensor(activations),
                      labels=encode_tensor(labels))
         batch = self._checked(client, cut, part)
+        admit(self.trunk, client, server_round, "activations", cut, batch.activations)
         train_on_batch(self.trunk, cut, batch.activations, batch.labels)
         self.trained[client] += 1
 

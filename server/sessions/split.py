@@ -191,6 +191,19 @@ def train_on_batch(trunk: Trunk, cut: int, activations: Tensor, labels: Tensor) 
     return StepResult(acts.grad, losses.detach(), logits.argmax(dim=1) == labels)
 
 
+def admit(trunk: Trunk, client: str, server_round: int, what: str, cut: int, rows: Tensor
+          ) -> None:
+    """Pass a frame's rows through the trunk's guard, if it has one, before it learns from them.
+
+    Raises
+    ------
+    FrameError
+        ``OUT_OF_RANGE`` beyond the calibrated bound, ``QUARANTINED`` (see :mod:`server.guard`).
+    """
+    if trunk.guard is not None:
+        trunk.guard.admit(client, server_round, what, cut, rows)
+
+
 def checked_batch(
     part: pb.Forward | pb.Evaluate | pb.Smashed, *, trunk: Trunk, cut: int,
     dataplane: DataPlaneConfig,
@@ -287,6 +300,7 @@ class SplitSession:
                           max_bytes=self.dataplane.max_frame_bytes)
         if ids is not None:
             return self._train_with_feedback(session, trunk, acts, labels, ids, part)
+        admit(trunk, session.grant.client, session.grant.server_round, "activations", cut, acts)
         result = self.train(session, trunk, acts, labels)
         return self._gradient(result, self._encode(result.grad))
 
@@ -304,6 +318,7 @@ class SplitSession:
         if memory.uplink is not None:
             acts = memory.uplink.reconstruct(ids, acts)
             check_finite(acts, name="activations", max_abs=self.dataplane.max_abs_value)
+        admit(trunk, client, session.grant.server_round, "activations", session.grant.cut, acts)
         result = self.train(session, trunk, acts, labels)
         if memory.uplink is not None:
             memory.uplink.commit(ids, acts)

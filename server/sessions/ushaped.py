@@ -42,7 +42,13 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from server.sessions.split import SharedTrunk, example_ids, prepare_feedback, round_trip
+from server.sessions.split import (
+    SharedTrunk,
+    admit,
+    example_ids,
+    prepare_feedback,
+    round_trip,
+)
 from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane import trunk_pb2 as pb
@@ -156,6 +162,8 @@ class UShapedSession:
                           max_bytes=self.dataplane.max_frame_bytes)
         if ids is not None:
             return self._forward_with_feedback(session, cut, acts, ids, part)
+        admit(self.trunk, session.grant.client, session.grant.server_round, "activations", cut,
+              acts)
         features, replaced = self._forward(session, cut, acts)
         return reply("features", features=self._encode(features), replaced_pending=replaced)
 
@@ -169,6 +177,7 @@ class UShapedSession:
         if memory.uplink is not None:
             acts = memory.uplink.reconstruct(ids, acts)
             check_finite(acts, name="activations", max_abs=self.dataplane.max_abs_value)
+        admit(self.trunk, client, session.grant.server_round, "activations", cut, acts)
         features, replaced = self._forward(session, cut, acts, ids=ids, memory=memory)
         if memory.uplink is not None:
             memory.uplink.commit(ids, acts)
@@ -206,6 +215,9 @@ class UShapedSession:
             present(backward, "grad"), shape=pending.features.shape,
             max_bytes=self.dataplane.max_frame_bytes, max_abs=self.dataplane.max_abs_value,
         )
+        # The returned gradient steers the trunk as activations do: bounded the same way.
+        admit(self.trunk, session.grant.client, session.grant.server_round, "gradient",
+              self.tail_cut, grad)
         with self._lock:
             if self._pending.pop(session.token, None) is not pending:
                 raise FrameError(Reason.NO_PENDING_FORWARD,

@@ -152,6 +152,7 @@ class Refusal(_message.Message):
         BUSY: _ClassVar[Refusal.Reason]
         INTERNAL: _ClassVar[Refusal.Reason]
         STALE_FEEDBACK: _ClassVar[Refusal.Reason]
+        QUARANTINED: _ClassVar[Refusal.Reason]
     REASON_UNSPECIFIED: Refusal.Reason
     MALFORMED: Refusal.Reason
     TOO_LARGE: Refusal.Reason
@@ -166,6 +167,7 @@ class Refusal(_message.Message):
     BUSY: Refusal.Reason
     INTERNAL: Refusal.Reason
     STALE_FEEDBACK: Refusal.Reason
+    QUARANTINED: Refusal.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     reason: Refusal.Reason

@@ -562,12 +562,12 @@ def test_bulk_batches_are_validated_like_frames_before_the_trunk_sees_them():
     session = SmashedSession(SharedTrunk(Trunk(copy.deepcopy(model), lr=LR)), dataplane=LIMITS,
                              max_queue_bytes=1 << 22)
     (acts, labels), = smashed(model, 1, 1)
-    session.train_bulk("c", 1, acts, labels)
+    session.train_bulk("c", 1, acts, labels, server_round=1)
     with pytest.raises(FrameError, match="NaN") as nan:
-        session.train_bulk("c", 1, torch.full_like(acts, float("nan")), labels)
+        session.train_bulk("c", 1, torch.full_like(acts, float("nan")), labels, server_round=1)
     assert nan.value.reason == Reason.NOT_FINITE
     with pytest.raises(FrameError, match="for this client's cut") as cut:
-        session.train_bulk("c", 2, acts, labels)
+        session.train_bulk("c", 2, acts, labels, server_round=1)
     assert cut.value.reason == Reason.BAD_TENSOR
     assert session.trunk.steps == 1 and session.trained["c"] == 1
 

@@ -126,7 +126,8 @@ class FakeTrunk:
     def finish_round(self, finished) -> None:  # noqa: ANN001 - an iterable of node ids
         self.finished.append(list(finished))
 
-    def train_bulk(self, client: str, cut: int, activations: Tensor, labels: Tensor) -> None:
+    def train_bulk(self, client: str, cut: int, activations: Tensor, labels: Tensor, *,
+                   server_round: int) -> None:
         if self.refuse is not None and self.refuse(client, activations):
             raise ValueError("refused in a test")
         self.bulk.append((client, cut, activations, labels))
