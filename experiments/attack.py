@@ -75,7 +75,7 @@ ATTACK_DEFAULTS = (
 )
 #: ``--quick``: minutes become seconds (2 rounds; a decoder of 5 epochs, a white-box search
 #: of 100 steps). Numbers move, the ordering of the rows should not; the full setting is
-#: what the README reports.
+#: what docs/how-to/privacy.md reports.
 QUICK_OVERRIDES = ("strategy.num_rounds=2",)
 QUICK_DECODER_EPOCHS = 5
 QUICK_WHITEBOX_STEPS = 100

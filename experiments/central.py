@@ -2,11 +2,11 @@
 
 The same network, batch size and optimiser as the run's config, trained centrally
 on every core: one process per core, each with one intra-op thread (more threads
-per process oversubscribe small CPUs; see docs/benchmarks.md), data-parallel with
-PyTorch's ``DistributedDataParallel`` over gloo on 127.0.0.1. Each process trains
-on its share of the training split (the union of the clients' partitions); one
-pass over the split is an epoch, and samples/s is measured over every epoch but
-the first (warm-up), as the split runs are measured over rounds 2+.
+per process oversubscribe small CPUs; see benchmarks/results/2026-12-overhead.md),
+data-parallel with PyTorch's ``DistributedDataParallel`` over gloo on 127.0.0.1.
+Each process trains on its share of the training split (the union of the clients'
+partitions); one pass over the split is an epoch, and samples/s is measured over
+every epoch but the first (warm-up), as the split runs are measured over rounds 2+.
 """
 
 from __future__ import annotations

@@ -7,12 +7,12 @@ sample, client compute seconds per training sample, virtual device time and
 wall time. Writes ``comparison.md`` and ``comparison.csv`` into ``DIR`` and
 prints the markdown table.
 
-The protocol comparison in the README is made with::
+The protocol comparison in ``docs/explanation/protocols.md`` is made with::
 
     python -m experiments.run -m +scenario=heterogeneous logger=none \\
-        strategy=fedavg,sequential,splitfed_v1,splitfed_v2,ushaped,local_loss \\
-        hydra.sweep.dir=multirun/compare
-    python -m experiments.compare multirun/compare
+        strategy=fedavg,sequential,splitfed_v1,splitfed_v2,ushaped,local_loss,sglr \\
+        hydra.sweep.dir=multirun/full
+    python -m experiments.compare multirun/full
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ pages and gives memory at the top of its heaps back to the kernel once more than
 threshold is free, so every step touched fresh pages: 100-260 page faults a step for the
 default job's SmallCNN trunk (batch 32, ~9 ms a step on a 2-core host). With the
 thresholds raised the freed blocks are reused: 0-5 page faults a step, the step 3% shorter
-alone and the trunk's time in a round 5% shorter (``docs/benchmarks.md``). The cost is
-memory the process may keep after a peak (at most the trim threshold free at the top of
-each heap); the default job's ServerApp peaked at the same 651 MB either way.
+alone and the trunk's time in a round 5% shorter
+(``benchmarks/results/2026-12-default-experiment.md``). The cost is memory the process
+may keep after a peak (at most the trim threshold free at the top of each heap); the
+default job's ServerApp peaked at the same 651 MB either way.
 """
 
 from __future__ import annotations

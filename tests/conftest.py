@@ -176,20 +176,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(getattr(pytest.mark, folder))
 
 
-#: Under ``--dist loadgroup`` (the serial tests' command) the tests of these files get an
-#: xdist worker of their own and all others share one, so those run one at a time. The
-#: deployment test mostly waits on Flower's polls and heartbeats and starts no Ray, so it
-#: runs beside them (the serial phase here: 524 s one at a time, 362 s in these two lanes).
+#: Under ``--dist loadgroup`` (the serial tests' command, ``-n 3``) the tests of each of
+#: these files get an xdist worker of their own and all others share one, so those run
+#: one at a time. The deployment tests (the walk-through of the docs, and the one with
+#: vanishing devices and a resumed ServerApp) mostly wait on Flower's polls and heartbeats
+#: and start no Ray, so they run beside them (the serial phase, when it had one deployment
+#: file: 524 s one at a time, 362 s in two lanes).
 #: Measured and left: the serial tests alone keep 0.7 of the 2 cores busy, yet beside the
 #: other integration tests (one run on three workers) they took 2-4 times as long and the
 #: whole no less time (701 s against 714 s), and the deployment test in the other phase cost
 #: that phase 123 s to save this one 118 s. The attack table (one process, ~75 s) in the
 #: deployment test's lane took 33 s off the other phase and added 39 s to this one.
-OWN_LANE = ("tests/integration/test_deployment.py",)
+OWN_LANE = ("tests/integration/test_deployment.py", "tests/integration/test_deployment_docs.py")
 
 
 class SerialLanes(LoadScopeScheduling):
-    """Two xdist lanes: each file of :data:`OWN_LANE` one of its own, every other test the other."""
+    """xdist lanes: each file of :data:`OWN_LANE` one of its own, every other test another."""
 
     def _split_scope(self, nodeid: str) -> str:
         return next((path for path in OWN_LANE if nodeid.startswith(f"{path}::")), "shared")

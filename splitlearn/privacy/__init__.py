@@ -4,7 +4,7 @@ Mechanisms (:mod:`~splitlearn.privacy.mechanism`, :mod:`~splitlearn.privacy.dpsg
 are separate from accounting (:mod:`~splitlearn.privacy.accounting`); the
 config's ``privacy.name`` picks one behaviour from
 :data:`~splitlearn.privacy.registry.PRIVACY_OPTIONS`. What each option's epsilon
-covers, and what it does not, is spelt out in the README's "Privacy" section.
+covers, and what it does not, is spelt out in ``docs/how-to/privacy.md``.
 """
 
 from splitlearn.privacy.accounting import (
