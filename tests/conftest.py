@@ -176,29 +176,35 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(getattr(pytest.mark, folder))
 
 
-#: Under ``--dist loadgroup`` (the serial tests' command, ``-n 3``) the tests of each of
-#: these files get an xdist worker of their own and all others share one, so those run
-#: one at a time. The deployment tests (the walk-through of the docs, and the one with
-#: vanishing devices and a resumed ServerApp) mostly wait on Flower's polls and heartbeats
-#: and start no Ray, so they run beside them (the serial phase, when it had one deployment
-#: file: 524 s one at a time, 362 s in two lanes).
+#: Under ``--dist loadgroup`` (the serial tests' command, ``-n 3``) the serial tests run
+#: in three xdist lanes, each test one at a time within its lane: the files named here in
+#: the lane they name, every other file in the ``shared`` lane. The deployment tests (the
+#: docs' walk-throughs, and vanishing devices with a resumed ServerApp) mostly wait on
+#: Flower's polls and heartbeats and start no Ray, so they run beside the Simulation
+#: Engine's tests. The lanes are balanced by measured time (a clean-clone CI here,
+#: 2026-12-05): deployment 633 s, the docs' deployments 530 s, the shared lane 957 s with
+#: every other test in it; moving the Ray cluster and `flwr run` tests out of it evens them.
 #: Measured and left: the serial tests alone keep 0.7 of the 2 cores busy, yet beside the
 #: other integration tests (one run on three workers) they took 2-4 times as long and the
 #: whole no less time (701 s against 714 s), and the deployment test in the other phase cost
-#: that phase 123 s to save this one 118 s. The attack table (one process, ~75 s) in the
-#: deployment test's lane took 33 s off the other phase and added 39 s to this one.
-OWN_LANE = ("tests/integration/test_deployment.py", "tests/integration/test_deployment_docs.py")
+#: that phase 123 s to save this one 118 s.
+LANES = {
+    "tests/integration/test_deployment.py": "deployment",
+    "tests/integration/test_ray_cluster.py": "deployment",
+    "tests/integration/test_deployment_docs.py": "docs",
+    "tests/integration/test_flwr_run.py": "docs",
+}
 
 
 class SerialLanes(LoadScopeScheduling):
-    """xdist lanes: each file of :data:`OWN_LANE` one of its own, every other test another."""
+    """xdist lanes: the files of :data:`LANES` in the lane they name, every other test another."""
 
     def _split_scope(self, nodeid: str) -> str:
-        return next((path for path in OWN_LANE if nodeid.startswith(f"{path}::")), "shared")
+        return LANES.get(nodeid.partition("::")[0], "shared")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> SerialLanes | None:
-    """The lanes of ``--dist loadgroup`` (see :data:`OWN_LANE`).
+    """The lanes of ``--dist loadgroup`` (see :data:`LANES`).
 
     xdist's own ``loadgroup`` reads ``xdist_group`` marks by renaming ``item._nodeid``,
     which pytest 9's ``nodeid`` no longer reads: every test would be a group of its own.
