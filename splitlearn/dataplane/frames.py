@@ -72,8 +72,8 @@ class _Budget:
     def __init__(self, fields: int) -> None:
         self.left = fields
 
-    def spend(self, fields: int = 1) -> None:
-        self.left -= fields
+    def spend(self) -> None:
+        self.left -= 1
         if self.left < 0:
             raise FrameDecodeError(f"more than {MAX_FRAME_FIELDS} fields in one frame")
 
@@ -408,9 +408,7 @@ class Frame:
             if tag < 0x80:
                 pos += 1
             else:
-                tag, pos = _read_varint(buf, pos, end)
-                if tag > _MASK32:
-                    raise FrameDecodeError(f"invalid tag {tag}")
+                tag, pos = _read_tag(buf, pos, end)
             number, wire_type = tag >> 3, tag & 7
             if not number:
                 raise FrameDecodeError("field number 0")
@@ -573,6 +571,18 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
             raise FrameDecodeError("varint longer than 10 bytes")
 
 
+def _read_tag(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    """Read a field's tag: a varint of at most 5 bytes and 32 bits, as protobuf reads it.
+
+    protobuf refuses a tag spelt in more bytes even when its value fits (``88 80 80 80
+    80 00`` for field 1), so a frame must too.
+    """
+    tag, after = _read_varint(buf, pos, end)
+    if after - pos > 5 or tag > _MASK32:
+        raise FrameDecodeError(f"invalid tag {tag} ({after - pos} bytes)")
+    return tag, after
+
+
 def _skip(buf: memoryview, pos: int, end: int, wire_type: int, number: int, depth: int,
           budget: _Budget) -> int:
     """Return where the value of a field starting at ``pos`` ends, checking it is whole."""
@@ -596,8 +606,8 @@ def _walk(buf: memoryview, pos: int, end: int, depth: int, budget: _Budget) -> N
     """Check that ``buf[pos:end]`` is a sequence of whole fields within the nesting limit."""
     while pos < end:
         budget.spend()
-        tag, pos = _read_varint(buf, pos, end)
-        if tag > _MASK32 or not tag >> 3:
+        tag, pos = _read_tag(buf, pos, end)
+        if not tag >> 3:
             raise FrameDecodeError(f"invalid tag {tag}")
         pos = _skip(buf, pos, end, tag & 7, tag >> 3, depth, budget)
 
@@ -608,8 +618,8 @@ def _skip_group(buf: memoryview, pos: int, end: int, number: int, depth: int,
         raise FrameDecodeError("groups nested too deep")
     while True:
         budget.spend()
-        tag, pos = _read_varint(buf, pos, end)
-        if tag > _MASK32 or not tag >> 3:
+        tag, pos = _read_tag(buf, pos, end)
+        if not tag >> 3:
             raise FrameDecodeError(f"invalid tag {tag}")
         if tag & 7 == _EGROUP:
             if tag >> 3 != number:
