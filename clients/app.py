@@ -34,7 +34,6 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from torch.utils.data import DataLoader, TensorDataset
 
 from clients.device import (
-    DECLARED_PROFILE_RECORD,
     PROFILE_KEY,
     ClientUnavailable,
     DeviceDeadline,
@@ -68,6 +67,7 @@ from splitlearn.dataplane.node_keys import (
     public_key_of,
 )
 from splitlearn.messages import (
+    DECLARED_PROFILE_RECORD,
     ROUND_KEY,
     SPEC_KEY,
     STATUS_KEY,

@@ -21,9 +21,6 @@ from splitlearn.planning.devices import DeviceProfile, apply_traces, build_fleet
 #: Node-config key of the preset a real device declares itself as (``clients.connect
 #: --profile``): its memory budget holds, and its times are its own (nothing emulated).
 PROFILE_KEY = "device-profile"
-#: Reply record of a device that declared a preset: ``{"name": PRESET}``, what the run's
-#: ``clients.csv`` shows in its ``profile`` column (``strategies.reporting`` reads it).
-DECLARED_PROFILE_RECORD = "device-profile"
 
 
 class DeviceFailure(RuntimeError):

@@ -36,6 +36,9 @@ class Capabilities:
     ----------
     trunk : {"none", "shared", "per_device"}
         Whether it has a trunk, and one shared by every device or a copy per device.
+    bytes_per_sample : ClosedForm
+        The closed form of its bytes per training sample
+        (:mod:`splitlearn.communication`).
     averages_device_weights : bool
         Whether the round's device weights are averaged (False: they pass from device
         to device, so secure aggregation and DP-FedAvg have no average to act on).
@@ -52,9 +55,6 @@ class Capabilities:
         Whether the device step adds the NoPeek term (``privacy.nopeek_weight``).
     error_feedback : bool
         Whether devices send each row's example id, which error feedback keys on.
-    bytes_per_sample : ClosedForm, optional
-        The closed form of its bytes per training sample
-        (:mod:`splitlearn.communication`).
     device_tail : Callable[[StrategyConfig, int], int], optional
         Options and number of stages -> the first stage of a tail the device keeps
         after the trunk (the device returns the gradient of the trunk's output).
@@ -64,6 +64,7 @@ class Capabilities:
     """
 
     trunk: TrunkKind
+    bytes_per_sample: ClosedForm
     averages_device_weights: bool = True
     per_device_cuts: bool = False
     shards_trunk: bool = False
@@ -71,7 +72,6 @@ class Capabilities:
     sends_activations: bool = True
     nopeek: bool = False
     error_feedback: bool = False
-    bytes_per_sample: ClosedForm | None = None
     device_tail: Callable[[StrategyConfig, int], int] | None = None
     reply_payload: Callable[[StrategyConfig], str | None] | None = None
 

@@ -66,7 +66,8 @@ class TrunkGuard:
     Parameters
     ----------
     config : GuardConfig
-        The bounds (``dataplane.guard``).
+        The bounds (``dataplane.guard``). A trunk without a guard has none
+        (:func:`server.standalone.build_trunk_side` builds one when ``enabled``).
     """
 
     def __init__(self, config: GuardConfig) -> None:
@@ -78,11 +79,6 @@ class TrunkGuard:
         self._round = 0  # the latest round seen: older rounds' strikes are dropped
         #: Counts since :meth:`take_books`: refused frames, clipped steps, quarantined devices.
         self.refused = self.clipped = self.quarantined = 0
-
-    @property
-    def active(self) -> bool:
-        """Whether the guard bounds anything (``dataplane.guard.enabled``)."""
-        return self.config.enabled
 
     def admit(self, client: str, server_round: int, what: str, cut: int, rows: Tensor) -> None:
         """Check a frame's rows at ``cut`` before the trunk learns from them.
@@ -105,8 +101,6 @@ class TrunkGuard:
             ``QUARANTINED`` for a device already quarantined this round, ``OUT_OF_RANGE``
             for a row beyond the bound (a strike).
         """
-        if not self.active:
-            return
         norms = rows.detach().flatten(1).norm(dim=1)
         with self._lock:
             if server_round > self._round:  # quarantines last one round
@@ -154,7 +148,7 @@ class TrunkGuard:
 
         Called with the trunk held, once per step whose gradients are finite.
         """
-        if not self.active or not self.config.update_clip:
+        if not self.config.update_clip:
             return norm
         with self._lock:
             median = self._steps.median

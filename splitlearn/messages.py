@@ -25,6 +25,9 @@ STATUS_KEY = "status"
 UPDATE_WEIGHT_KEY = "update-weight"
 #: Reply key of the ArrayRecord that carries a round's smashed data in the Flower reply.
 SMASHED_RECORD_KEY = "smashed"
+#: Reply record of the preset a real device declared (``clients.connect --profile``),
+#: ``{"name": PRESET}``: its ``clients.csv`` row's ``profile``.
+DECLARED_PROFILE_RECORD = "device-profile"
 
 
 def state_to_record(state: Mapping[str, torch.Tensor]) -> Any:

@@ -33,7 +33,13 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from splitlearn.config import AggregationConfig, RunSpec, encode_spec
-from splitlearn.messages import ROUND_KEY, SPEC_KEY, STATUS_KEY, with_dtypes_of
+from splitlearn.messages import (
+    DECLARED_PROFILE_RECORD,
+    ROUND_KEY,
+    SPEC_KEY,
+    STATUS_KEY,
+    with_dtypes_of,
+)
 
 #: Statuses a reply can have, in report order.
 STATUSES = ("ok", "straggler", "unavailable", "dropout", "memory", "refused", "budget", "privacy",
@@ -45,9 +51,6 @@ SUMMED_METRICS = ("num-examples", "steps", "bytes-up", "bytes-down", "weights-by
                   "weights-bytes-down", "compute-s", "setup-s", "handler-s")
 #: Metrics whose round value is the worst client's (the slowest device sets the pace).
 MAX_METRICS = ("virtual-s", "epsilon", "epsilon-vs-server", "peak-memory-bytes")
-#: Reply record of the preset a real device declared (``clients.device``'s record of that
-#: name, ``{"name": PRESET}``): its row's ``profile``.
-DECLARED_PROFILE_RECORD = "device-profile"
 #: A declared name longer than this is cut (it is the device's text, not a checked preset).
 PROFILE_NAME_CHARS = 64
 #: Per-client labels, meaningless when averaged.

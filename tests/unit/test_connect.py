@@ -130,10 +130,7 @@ def test_a_devices_reply_names_the_preset_it_declared_and_its_row_shows_it(task_
     from flwr.app import Context, Message, MetricRecord, RecordDict
 
     from clients.app import with_declared_profile
-    from clients.device import DECLARED_PROFILE_RECORD
     from strategies import reporting
-
-    assert DECLARED_PROFILE_RECORD == reporting.DECLARED_PROFILE_RECORD  # both sides' key
 
     def row(node_config: dict) -> dict:
         context = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(),
