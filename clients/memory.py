@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
 
+from clients.cut_gradient import GradientRoot
 from clients.recompute import run_stages
 from splitlearn.models import SplittableModel
 from splitlearn.models.lean import mask_cut_relu
@@ -269,9 +269,13 @@ def _measure_steps(
             meter.watch(out)
             optimizer.zero_grad(set_to_none=True)
             start, grad = backward(out)
-            root = get_gradient_edge(start)
-            del out, start  # what a split step has sent, it no longer holds
-            torch.autograd.backward(root, grad)
+            if grad is None:  # a loss
+                del out
+                start.backward()
+            else:
+                root = GradientRoot(start)
+                del out, start  # what a split step has sent, it no longer holds
+                root.backward(grad)
             optimizer.step()
         peak = meter.peak_bytes
     return peak

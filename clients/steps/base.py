@@ -63,8 +63,8 @@ class ClientStep:
     #: batch holds as much, and the meter's hooks cost time on each batch it watches.
     measured_batches: ClassVar[int] = 3
     #: Whether the step drops the output at the cut once it is sent, before the backward
-    #: (it keeps only the output's ``get_gradient_edge`` to start the backward from): with
-    #: checkpointing, the last stage is then checkpointed too, with a
+    #: (it keeps only a :class:`~clients.cut_gradient.GradientRoot` to start the backward
+    #: from): with checkpointing, the last stage is then checkpointed too, with a
     #: :class:`~splitlearn.models.lean.MaskReLU` at the cut.
     frees_sent_output: ClassVar[bool] = False
 

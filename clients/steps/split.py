@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import get_gradient_edge
 
+from clients.cut_gradient import GradientRoot
 from clients.steps.base import ClientStep
 from splitlearn.attacks.dcor import distance_correlation_tensor
 from splitlearn.dataplane import TrunkChannel
@@ -32,13 +32,11 @@ class SplitStep(ClientStep):
                                               example_ids=self.batch_ids)
         optimizer.zero_grad(set_to_none=True)
         weight = self.spec.privacy.nopeek_weight
-        if weight:  # NoPeek: also decorrelate what was sent from the inputs
-            penalty = weight * distance_correlation_tensor(inputs, activations)
-            torch.autograd.backward([activations, penalty], [grad, None])
-        else:
-            root = get_gradient_edge(activations)
-            del activations  # sent: its memory goes now unless autograd saved it
-            torch.autograd.backward(root, grad)
+        root = GradientRoot(activations)
+        # NoPeek: also decorrelate what was sent from the inputs.
+        penalty = weight * distance_correlation_tensor(inputs, activations) if weight else None
+        del activations  # sent: its memory goes now unless autograd saved it
+        root.backward(grad, plus=penalty)
         optimizer.step()
         return loss, correct
 

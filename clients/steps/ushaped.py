@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
 
+from clients.cut_gradient import GradientRoot
 from clients.steps.base import ClientStep, hits
 from splitlearn.calibration import client_train_memory_bytes, tail_train_memory_bytes
 from splitlearn.config import CompressionConfig, RunSpec
@@ -87,14 +87,14 @@ class UShapedStep(ClientStep):
         activations = self.release(self.run_stages(self.head, inputs))
         features = channel.forward_features(
             activations.detach(), example_ids=self.batch_ids).requires_grad_(True)
-        root = get_gradient_edge(activations)
+        root = GradientRoot(activations)
         del activations  # sent: its memory goes now unless autograd saved it
         logits = self.tail(features)
         loss = nn.functional.cross_entropy(logits, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # the tail's gradients, and d loss / d features for the trunk
         assert features.grad is not None
-        torch.autograd.backward(root, channel.backward(self.returned_gradient(features.grad)))
+        root.backward(channel.backward(self.returned_gradient(features.grad)))
         optimizer.step()
         return float(loss.detach()), hits(logits, labels)
 
