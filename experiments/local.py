@@ -3,7 +3,8 @@
 :class:`LocalGrid` is Flower's ``Grid`` interface over the very ClientApp that
 Flower's engines run, called in this process (``concurrency`` clients at a time,
 in threads) with a ``Context`` per node kept across rounds, as a SuperNode keeps
-it. Its clients reach the trunk through the in-process channel: the same frames
+it (off the wire, as a SuperNode hands it to each message's fresh ClientApp
+process). Its clients reach the trunk through the in-process channel: the same frames
 and checks as gRPC, no network. Everything else is the shipped path: the
 protocol's strategy, the ServerApp's runtime and reporter, the run folder. It is
 not a Flower engine (no Ray, no SuperLink); tests of the deployment path use
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.serde import context_from_proto, context_to_proto
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 from omegaconf import DictConfig, OmegaConf
@@ -62,11 +64,17 @@ class LocalGrid(Grid):
         # Each node decodes its own copy off the wire: one sent content is shared by many
         # messages (Flower's SecAgg+ stages), and a ClientApp may change what it is handed.
         message = copy.deepcopy(message)
+        node = message.metadata.dst_node_id
+        # A SuperNode hands each message's ClientApp process the node's Context off the
+        # wire and keeps what comes back the same way: what the state holds must survive it.
+        context = _over_the_wire(self.contexts[node])
         try:
-            return self.client_app(message, self.contexts[message.metadata.dst_node_id])
+            return self.client_app(message, context)
         except Exception as err:  # noqa: BLE001 - a failing ClientApp is an error reply
             error = Error(code=CLIENT_APP_RAISED_EXCEPTION, reason=f"{type(err).__name__}: {err}")
             return Message(error, reply_to=message)
+        finally:
+            self.contexts[node] = _over_the_wire(context)
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
@@ -99,6 +107,11 @@ class LocalGrid(Grid):
 
     def pull_messages(self, message_ids):  # noqa: ANN001, ANN201, D102
         raise NotImplementedError("use send_and_receive")
+
+
+def _over_the_wire(context: Context) -> Context:
+    """Return ``context`` as a process receives it from another (Flower's serialisation)."""
+    return context_from_proto(context_to_proto(context))
 
 
 def in_process_channels(endpoint: TrunkEndpoint):  # noqa: ANN201 - a ChannelFactory

@@ -16,8 +16,10 @@ with the same apps, so the supported CLI path keeps working either way.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -133,6 +135,8 @@ def _shutdown_ray() -> None:
 def main(cfg: DictConfig) -> float | None:
     """Run one experiment; return the final test accuracy (for sweeps)."""
     cfg.run_dir = HydraConfig.get().runtime.output_dir
+    # A run that seems stuck says where: `kill -USR1 PID` prints every thread's stack.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Flower logs through its own handler; without this every line shows twice
     # (once more through the root handler Hydra installs).
     logging.getLogger("flwr").propagate = False

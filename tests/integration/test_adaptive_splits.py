@@ -1,15 +1,18 @@
-"""Per-client cuts end to end: the merge through Flower's Simulation Engine (v1 == FedAvg),
-moves and planners through the shipped apps in process (the same strategy, ClientApp,
-trunk and run folder, without the engine's start-up)."""
+"""Per-client cuts end to end, through the shipped apps in process (the same strategy,
+ClientApp, trunk and run folder as in an engine, without its start-up): the merge (v1 ==
+FedAvg, in node ids drawn as an engine draws them), moves and planners."""
 
 from __future__ import annotations
 
 import json
+import random
 
-import pytest
 import torch
+from flwr.app import Context
 
-from tests.integration.test_simulation import read_clients, run_experiment, run_in_process
+from experiments.local import LocalGrid, run_local
+from protocols import compose_config
+from tests.integration.test_simulation import read_clients, run_in_process
 
 SMALL = ("strategy.num_rounds=2", "num_clients=3", "logger=none")
 #: Client k (by node id) takes cuts[(k + round) % 3]: cuts differ in a round and move.
@@ -20,15 +23,32 @@ def rounds_of(run_dir):
     return json.loads((run_dir / "metrics.json").read_text())
 
 
-@pytest.mark.serial
+class EngineLikeGrid(LocalGrid):
+    """Node ids drawn at random, as Flower's engines draw them, in no order of partitions.
+
+    Replies must then be merged by partition, not by node id: a float sum depends on
+    its order (see :func:`strategies.reporting.reply_order`).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        ids = random.Random(7).sample(range(1, 2**63), len(self.contexts))
+        assert ids != sorted(ids)  # partitions 0, 1, 2 are not in node order
+        self.contexts = {new: Context(run_id=c.run_id, node_id=new, node_config=c.node_config,
+                                      state=c.state, run_config=c.run_config)
+                         for new, c in zip(ids, self.contexts.values(), strict=True)}
+
+
 def test_splitfed_v1_with_different_and_moving_cuts_is_fedavg_of_the_whole_model(tmp_path):
     """A trunk copy per client: each client trains every stage once, split between its
     two copies, and every stage is averaged by samples, so the cuts cannot matter."""
     # Bit for bit needs the trunk to compute in the layout the whole model trains in on a
     # device: channels-last (the SmallCNN's default) rounds floats otherwise (1e-6 here).
     three = ("strategy.num_rounds=3", *SMALL[1:], "dataplane.channels_last=false")
-    v1_dir = run_experiment(tmp_path / "v1", "strategy=splitfed_v1", *ROTATING, *three)
-    # The reference through the same apps in this process: the engine is what v1 tests.
+    cfg = compose_config(["strategy=splitfed_v1", *ROTATING, *three])
+    cfg.run_dir = str(v1_dir := tmp_path / "v1")
+    # Two clients at a time, in the engine's node ids, as the Simulation Engine runs them.
+    run_local(cfg, concurrency=2, grid_type=EngineLikeGrid)
     fedavg_dir = run_in_process(tmp_path / "fedavg", "strategy=fedavg", *three)
     fedavg = {"rounds": rounds_of(fedavg_dir), "model": torch.load(fedavg_dir / "model.pt")}
     assert [r["test_loss"] for r in rounds_of(v1_dir)] == [

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from experiments.central import free_port
+from strategies.privacy import update_epsilon
+from tests.integration.test_simulation import read_clients
 from tests.processes import pids_mentioning, superlink_answers, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,7 +143,8 @@ RAY_START_TIMEOUT = "The current node timed out during startup"
 def test_flwr_run_trains_with_the_same_apps_and_trunk_workers(tmp_path, local_superlink):
     """The ServerApp as the SuperLink starts it, with its trunk sharded over two worker
     processes (the ServerApp's children), which stop with it; the cut's tensors travel as
-    top-k with error feedback, whose memory each worker keeps for its clients."""
+    top-k with error feedback, whose memory each worker keeps for its clients; the device
+    side is averaged through SecAgg+ and DP-FedAvg."""
     env, flwr = local_superlink, FLWR
     for attempt in (1, 2):
         run_dir = tmp_path / f"run-{attempt}"
@@ -158,6 +161,11 @@ def test_flwr_run_trains_with_the_same_apps_and_trunk_workers(tmp_path, local_su
     assert all(r["clients"] == 3 and r["failed_clients"] == 0 for r in rounds[1:])
     assert rounds[2]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.2
     assert json.loads((run_dir / "config.json").read_text())["strategy"]["num_rounds"] == 2
+    assert [r["update_epsilon"] for r in rounds[1:]] == [
+        update_epsilon(noise_multiplier=0.01, releases=r, delta=1e-5) for r in (1, 2)]
+    rows = read_clients(run_dir)
+    assert len(rows) == 6 and {r["status"] for r in rows} == {"ok"}
+    assert {r["update_weight"] for r in rows} == {"1.0"}  # DP-FedAvg: devices count alike
     # 8 KiB of activations per example at cut 1; top-k keeps a tenth at 4 bytes a value
     # (plus the example's id and label): under 1 KiB, had any batch gone twice or dense.
     for r in rounds[1:]:
@@ -171,15 +179,22 @@ def test_flwr_run_trains_with_the_same_apps_and_trunk_workers(tmp_path, local_su
     assert len(pids) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in pids)
 
 
+#: SecAgg+ and DP-FedAvg: the workflow's four stages per round go through the engine too.
+#: The noise is too small to protect anything; what is checked is its accounting.
+SECURE = ("aggregation.secure=true", "aggregation.update_clip_norm=5",
+          "aggregation.update_noise_multiplier=0.01", "aggregation.max_weight=1",
+          "aggregation.clipping_range=5")
+
+
 def submit_run(flwr: Path, env: dict[str, str], run_dir: Path) -> int:
-    """Submit 2 rounds of the default job (top-k with error feedback at the cut) on 3
-    simulated nodes; return the run's id.
+    """Submit 2 rounds of the default job (top-k with error feedback at the cut, SecAgg+
+    with DP-FedAvg) on 3 simulated nodes; return the run's id.
 
     Without ``--stream``: ``flwr run`` submits the run and returns; the SuperLink's record
     says when it is over (a log stream was seen to outlive its run by minutes under load).
     """
     overrides = ("strategy.num_rounds=2 logger=none dataplane.trunk_workers=2 "
-                 "compression=topk_feedback")
+                 "compression=topk_feedback " + " ".join(SECURE))
     proc = subprocess.run(
         [str(flwr), "run", ".",
          "--run-config", f'overrides="{overrides}" run-dir="{run_dir}"',

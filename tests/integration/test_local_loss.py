@@ -1,4 +1,7 @@
-"""End to end: the local_loss protocol, streaming in Flower's Simulation Engine, bulk in process."""
+"""End to end: the local_loss protocol through the shipped apps in process, every mode.
+
+The engines add nothing local loss does not share with the other protocols (they are
+tested with those); its trunk side over real gRPC is tests/unit/test_local_loss.py's."""
 
 from __future__ import annotations
 
@@ -6,21 +9,18 @@ import json
 
 import pytest
 
-from tests.integration.test_simulation import read_clients, run_experiment, run_in_process
+from tests.integration.test_simulation import read_clients, run_in_process
 
 #: Each mode's overrides beyond the protocol's.
 MODES = {"streaming": [], "bulk": ["strategy.bulk=true"],
          "top-k with error feedback": ["compression=topk_feedback"]}
 
 
-@pytest.mark.parametrize("mode", [pytest.param("streaming", marks=pytest.mark.serial), "bulk",
-                                  "top-k with error feedback"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_local_loss_two_rounds_three_clients(tmp_path, mode):
     overrides = ["strategy=local_loss", "strategy.num_rounds=2", "num_clients=3", "logger=none",
                  *MODES[mode]]
-    # Bulk's smashed data rides in the Flower reply, and error feedback changes only what
-    # the data plane carries: the engine adds nothing the streaming run through it covers.
-    run_dir = (run_experiment if mode == "streaming" else run_in_process)(tmp_path, *overrides)
+    run_dir = run_in_process(tmp_path, *overrides)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["strategy"]["name"] == "local_loss"
     rounds = json.loads((run_dir / "metrics.json").read_text())

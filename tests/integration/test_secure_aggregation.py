@@ -4,7 +4,8 @@ The in-process runs (:func:`experiments.local.run_local`) call the real ClientAp
 (with Flower's ``secaggplus_mod``) and the real strategy, whose grid runs Flower's
 ``SecAggPlusWorkflow`` stages; a recording grid keeps every reply the server gets.
 Numerics are checked against the same run without masking: FedAvg of the unmasked
-updates, within the quantisation error SecAgg+'s settings imply.
+updates, within the quantisation error SecAgg+'s settings imply. Through an engine
+(Flower's simulation runtime under ``flwr run``): tests/integration/test_flwr_run.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from experiments.local import LocalGrid, run_local
 from protocols import compose_config
 from strategies.privacy import update_epsilon
-from tests.integration.test_simulation import read_clients, run_experiment
+from tests.integration.test_simulation import read_clients
 
 #: Small and exact enough: 4 devices of ~360 digits each, one round, one epoch.
 BASE = ("logger=none", "strategy=fedavg", "num_clients=4", "strategy.num_rounds=1",
@@ -142,23 +143,6 @@ def test_dp_fedavg_noise_has_the_std_of_sigma_clip_over_devices(tmp_path):
     assert epsilon == update_epsilon(noise_multiplier=2.0, releases=1, delta=1e-5)
     rows = read_clients(clipped)
     assert {r["status"] for r in rows} == {"ok"} and {r["update_weight"] for r in rows} == {"1.0"}
-
-
-@pytest.mark.serial
-def test_splitfed_with_secure_aggregation_and_dp_fedavg_in_the_simulation_engine(tmp_path):
-    run_dir = run_experiment(
-        tmp_path, "logger=none", "num_clients=3", "strategy.num_rounds=2",
-        "strategy.local_epochs=1", "aggregation.secure=true", "aggregation.update_clip_norm=5",
-        "aggregation.update_noise_multiplier=0.1", "aggregation.max_weight=1",
-        "aggregation.clipping_range=5")
-    rows = read_clients(run_dir)
-    assert [r["status"] for r in rows] == ["ok"] * 6
-    with open(run_dir / "metrics.csv") as f:
-        history = list(csv.DictReader(f))
-    epsilons = [float(h["update_epsilon"]) for h in history[1:]]
-    assert epsilons == [update_epsilon(noise_multiplier=0.1, releases=r, delta=1e-5)
-                        for r in (1, 2)]
-    assert float(history[-1]["test_accuracy"]) > float(history[0]["test_accuracy"])
 
 
 class DemandingGrid(LocalGrid):

@@ -26,9 +26,13 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
+
+from benchmarks.rounds import PARTS, clients_in_parallel, round_budget
+from tests.integration.test_simulation import read_clients
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS = ROOT / "docs" / "tutorials"
@@ -166,6 +170,42 @@ def test_first_run(tutorials):
     assert re.search(r"^3 \d+ ok 1 \d+$", printed, re.MULTILINE)  # the last round's devices
     assert "torch.Size([1, 10])" in printed  # the model loaded into the network
     check_named_paths(markdown, tmp_path)
+    check_complete_run_folder(run, printed)
+
+
+def check_complete_run_folder(run: Path, printed: str) -> None:
+    """The default job's run folder holds everything a person reads, and it adds up."""
+    config = json.loads((run / "config.json").read_text())
+    rounds = json.loads((run / "metrics.json").read_text())
+    assert [r["round"] for r in rounds] == list(range(config["strategy"]["num_rounds"] + 1))
+    # The run's elapsed time (progress lines, ETA) grows, whatever the clients report.
+    assert all(0 < a["wall_s"] < b["wall_s"] for a, b in pairwise(rounds))
+    assert rounds[-1]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.2  # it learned
+    for r in rounds[1:]:
+        # Every digits training sample, once per local epoch.
+        assert r["examples"] == 1437 * config["strategy"]["local_epochs"]
+        assert r["bytes_up"] > 0 and r["bytes_down"] > 0 and r["failed_clients"] == 0
+    rows = read_clients(run)
+    assert len(rows) == config["num_clients"] * config["strategy"]["num_rounds"]
+    assert {row["status"] for row in rows} == {"ok"}
+    # Where each client's handler spent its time: set-up, then training, within the handler.
+    for row in rows:
+        setup, train, handler = (float(row[k]) for k in ("setup_s", "train_s", "handler_s"))
+        assert 0 < setup and 0 < train and setup + train <= handler
+    parallel = clients_in_parallel([f"num_clients={config['num_clients']}"])
+    budget = round_budget(rounds, rows, parallel=parallel)
+    assert sum(budget[key] for key, _ in PARTS) == pytest.approx(budget["round_s"])
+    assert 0 < budget["evaluate_s"] < budget["round_s"]
+    assert (run / "metrics.csv").read_text().startswith("round,")
+    for png in ("metrics.png", "clients.png"):
+        assert (run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    offline = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(offline) == 1 and offline[0].stat().st_size > 0
+    # What the reader saw: devices that ended their streams cleanly (no "ended abruptly",
+    # the trunk's word for a device that vanished), and no start-up chatter of Ray's
+    # or of alembic's (Flower's link state imports it).
+    for noise in ("ended abruptly", "alembic", "Tip: In future versions of Ray"):
+        assert noise not in printed, noise
 
 
 def test_compare_protocols(tutorials):
