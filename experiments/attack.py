@@ -20,6 +20,13 @@ attacks the final model the way the server could:
     The privacy-utility table: no noise, activation noise at several levels and
     DP-SGD on the client layers; each row with epsilon, test accuracy and the
     three attacks. Prints markdown (and writes it with ``--out``).
+``poison``
+    Not a privacy attack: devices that lie to the shared trunk (:mod:`experiments.poison`).
+    The default job (20 rounds of SplitFed v2 on digits, 10 devices) once without
+    attackers and once per attack and count of liars (``--attackers``), with the defences
+    on (the defaults, plus any ``--defence`` overrides) and off; prints a line per run and
+    the table, and writes ``poison.csv``, ``poison.json``, ``poison.md`` and
+    ``poison.png`` into ``--out``. ``ATTACK_DEFAULTS`` do not apply to it.
 
 The target is client 0's training partition; the attacker's auxiliary data is
 everything else it could plausibly hold (the other clients' partitions and the
@@ -413,24 +420,67 @@ def run_single(name: str, overrides: Sequence[str], *, decoder_epochs: int = DEC
     return row
 
 
+def run_poison(args: argparse.Namespace, overrides: Sequence[str]) -> None:
+    """Run the poisoning suite (:func:`experiments.poison.run_suite`) and print its table."""
+    from experiments.poison import (
+        ATTACKS,
+        format_table,
+        measure_cost,
+        measure_step_cost,
+        run_suite,
+    )
+
+    if args.cost:
+        print("\n" + measure_step_cost(repeats=args.cost), end="")
+        print("\n" + measure_cost(overrides, repeats=args.cost, concurrency=args.concurrency),
+              end="")
+        return
+    attacks = args.attacks or list(ATTACKS)
+    unknown = sorted(set(attacks) - set(ATTACKS))
+    if unknown:
+        raise SystemExit(f"unknown attacks {unknown}; known: {sorted(ATTACKS)} (Hydra "
+                         "overrides go before --attacks and --attackers, which take a list)")
+    rows = run_suite(attacks=attacks, attackers=args.attackers, overrides=overrides,
+                     defence_overrides=args.defence, concurrency=args.concurrency, out=args.out)
+    print("\n" + format_table(rows), end="")
+    if args.out is not None:
+        print(f"written to {args.out}/poison.{{csv,json,md,png}}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the attack name and its Hydra overrides; run it."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("name", choices=["inversion", "dcor", "label_leak", "table"])
-    parser.add_argument("--out", type=Path, help="table: also write the markdown here")
+    parser.add_argument("name", choices=["inversion", "dcor", "label_leak", "table", "poison"])
+    parser.add_argument("--out", type=Path,
+                        help="table: also write the markdown to this file; poison: the folder "
+                             "for its results")
+    parser.add_argument("--attackers", type=int, nargs="+", default=[1, 2],
+                        help="poison: counts of lying devices (default: 1 2)")
+    parser.add_argument("--attacks", nargs="+", help="poison: the attacks (default: all)")
+    parser.add_argument("--defence", action="append", default=[], metavar="OVERRIDE",
+                        help="poison: one more override of the defences-on runs, e.g. "
+                             "aggregation.robust=median (repeatable)")
+    parser.add_argument("--concurrency", type=int, default=2,
+                        help="poison: devices trained at once (default 2)")
+    parser.add_argument("--cost", type=int, metavar="REPEATS",
+                        help="poison: instead of the attacks, time trunk steps and honest "
+                             "runs with the defences on, without the loss check and off, "
+                             "interleaved REPEATS times")
     parser.add_argument("--quick", action="store_true",
                         help=f"{' '.join(QUICK_OVERRIDES)}, a {QUICK_DECODER_EPOCHS}-epoch "
                              f"decoder and {QUICK_WHITEBOX_STEPS} white-box steps: seconds, "
                              "not minutes")
     parser.add_argument("--decoder-epochs", type=int, help="inversion decoder's epochs")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (after --quick's)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before or after the options
     overrides = [*(QUICK_OVERRIDES if args.quick else ()), *args.overrides]
     epochs = args.decoder_epochs or (QUICK_DECODER_EPOCHS if args.quick else DECODER_EPOCHS)
     if epochs < 1:
         parser.error(f"--decoder-epochs must be >= 1, got {epochs}")
     steps = QUICK_WHITEBOX_STEPS if args.quick else WHITEBOX_STEPS
-    if args.name == "table":
+    if args.name == "poison":
+        run_poison(args, overrides)
+    elif args.name == "table":
         run_table(overrides, out=args.out, decoder_epochs=epochs, whitebox_steps=steps)
     else:
         run_single(args.name, overrides, decoder_epochs=epochs, whitebox_steps=steps)

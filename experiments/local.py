@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -25,8 +25,8 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 from omegaconf import DictConfig, OmegaConf
 
-from clients.app import build_client_app, grpc_channel
-from server.app import TrainingResult, run_training, start_runtime, stop_runtime
+from clients.app import ChannelFactory, build_client_app, grpc_channel
+from server.app import SplitRuntime, TrainingResult, run_training, start_runtime, stop_runtime
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import InProcessTransport, TrunkChannel, TrunkEndpoint
 
@@ -127,8 +127,15 @@ def in_process_channels(endpoint: TrunkEndpoint):  # noqa: ANN201 - a ChannelFac
     return open_channel
 
 
+def shipped_client_app(channels: ChannelFactory, runtime: SplitRuntime) -> ClientApp:
+    """Build the shipped ClientApp, its sessions opened by ``channels`` (the default)."""
+    return build_client_app(channels)
+
+
 def run_local(cfg: DictConfig, *, concurrency: int = 1,
-              grid_type: type[LocalGrid] = LocalGrid) -> TrainingResult:
+              grid_type: type[LocalGrid] = LocalGrid,
+              client_app: Callable[[ChannelFactory, SplitRuntime], ClientApp] = shipped_client_app,
+              ) -> TrainingResult:
     """Run ``cfg`` through the shipped strategy, runtime and ClientApp, in this process.
 
     ``cfg.run_dir`` is used when set; otherwise the run folder is temporary (and
@@ -136,7 +143,9 @@ def run_local(cfg: DictConfig, *, concurrency: int = 1,
     copy of ``cfg``, so the caller's config never names the deleted folder. With
     trunk workers (``dataplane.trunk_workers`` > 1) the trunk lives in other processes,
     so the clients reach it over gRPC. ``grid_type`` may be a :class:`LocalGrid`
-    subclass that also watches the messages (tests capture what the server receives).
+    subclass that also watches the messages (tests capture what the server receives);
+    ``client_app`` builds what the grid calls, from the run's channel factory and runtime
+    (the poisoning suite's lying devices wrap the shipped ClientApp there).
     """
     with tempfile.TemporaryDirectory(prefix="local-run-") as tmp:
         if OmegaConf.is_missing(cfg, "run_dir"):
@@ -147,8 +156,8 @@ def run_local(cfg: DictConfig, *, concurrency: int = 1,
         try:
             channels = (grpc_channel if runtime.workers is not None
                         else in_process_channels(runtime.endpoint))
-            client_app = build_client_app(channels)
-            grid = grid_type(client_app, num_nodes=cfg.num_clients, concurrency=concurrency)
+            grid = grid_type(client_app(channels, runtime), num_nodes=cfg.num_clients,
+                             concurrency=concurrency)
             return run_training(grid, runtime)
         finally:
             stop_runtime(runtime)

@@ -65,6 +65,7 @@ def check_config(cfg: DictConfig) -> None:
     check_device_privacy(config)
     check_trunk_workers(config)
     check_aggregation(config)
+    check_robust_aggregation(config)
     build_fleet(num_clients=config.num_clients, mix=config.devices.mix,
                 profiles={k: vars(v) for k, v in config.devices.profiles.items()},
                 seed=config.seed)
@@ -230,6 +231,53 @@ def check_aggregation(config: Config) -> None:
     if agg.secure and config.strategy.min_train_nodes < 2:
         raise ValueError(f"{key} needs strategy.min_train_nodes >= 2 (got "
                          f"{config.strategy.min_train_nodes}): one device's mask hides nothing")
+
+
+def round_devices(config: Config) -> int:
+    """Return the devices a round samples when every one of ``num_clients`` is connected.
+
+    Flower's FedAvg samples ``max(int(connected x fraction_train), min_train_nodes)``.
+    """
+    strategy = config.strategy
+    sampled = max(int(config.num_clients * strategy.fraction_train), strategy.min_train_nodes)
+    return min(sampled, config.num_clients)
+
+
+def check_robust_aggregation(config: Config) -> None:
+    """Refuse ``aggregation.robust`` where it has nothing to act on or its assumption fails.
+
+    It replaces the mean of the devices' copies, so the protocol must average them
+    (its capabilities say so). Its combinations with SecAgg+ (the server sees only the
+    sum) and DP-FedAvg's noise are refused by the config itself. Its assumption (the
+    fewest copies for ``aggregation.num_malicious``: ``splitlearn.robust.RobustRule``)
+    must hold for a full round, ``round_devices``; a round in which fewer devices
+    finish keeps the device side's previous weights, and says so in its metrics. With
+    per-client cuts a stage held by fewer devices than the round is checked each round.
+    """
+    from splitlearn.robust import RobustRule
+
+    agg = config.aggregation
+    rule = RobustRule.of(agg)
+    if rule is None:
+        return
+    key = f"aggregation.robust={agg.robust}"
+    protocol = protocol_named(config.strategy.name)
+    if not protocol.capabilities.averages_device_weights:
+        raise ValueError(f"{key} replaces the average of the devices' weights; strategy="
+                         f"{protocol.name} passes them from device to device and averages "
+                         "nothing")
+    devices = round_devices(config)
+    if (refusal := rule.refusal(devices)) is not None:
+        raise ValueError(
+            f"{key}: {refusal} (a round samples {devices} of num_clients={config.num_clients} "
+            f"at strategy.fraction_train={config.strategy.fraction_train}, "
+            f"strategy.min_train_nodes={config.strategy.min_train_nodes}); sample more devices "
+            "or lower aggregation.num_malicious")
+    if agg.robust == "multi_krum" and agg.multi_krum_selected > devices - agg.num_malicious:
+        raise ValueError(
+            f"aggregation.multi_krum_selected={agg.multi_krum_selected} exceeds the "
+            f"{devices - agg.num_malicious} honest copies of a round ({devices} devices, "
+            f"aggregation.num_malicious={agg.num_malicious}): it would average a Byzantine one")
 
 
 def check_privacy_source(config: Config, model: SplittableModel) -> None:

@@ -265,6 +265,7 @@ def make_strategy(runtime: SplitRuntime, reporter: RoundReporter) -> Strategy:
     if runtime.planning is not None:
         kwargs["planning"] = runtime.planning
     aggregation = to_object(cfg.aggregation)
+    kwargs["aggregation"] = aggregation  # the bound on claimed examples, a robust rule
     if aggregation.secure:
         kwargs["secure_aggregation"] = aggregation
     if aggregation.clipped:  # DP-FedAvg: every device counts the same in the average

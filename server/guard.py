@@ -15,16 +15,36 @@ every other device's batches were refused ``STEP_NOT_FINITE`` from then on. A
   the bound drift with it). Until ``min_rows`` rows were seen at a cut only the
   fixed bound applies, unless the run seeds the statistics (the ServerApp seeds them
   each round from its held-out data through the current device side: :meth:`seed`).
+* **Returned gradients** (U-shaped) are heavy-tailed: once the model is confident, a
+  misclassified example's row is ~100 times the median row, so no factor of the median
+  fits them. Once seeded, their bound is ``seed_factor`` times the largest row the
+  server's own examples gave this round, each row compared per example (a short last
+  batch's rows are larger by the batch's shortfall). Other rows are also accepted up to
+  that bound when it is the larger.
 * **Clipped updates.** A trunk step's gradient norm is clipped to ``update_clip`` times
   the median of the recent steps' (after ``min_steps`` steps): a batch inside the row
   bounds still moves the trunk by at most a few ordinary steps.
+* **Checked losses.** One device's batch whose mean loss is beyond the larger of the
+  chance-level loss (``ln C``) and ``loss_factor`` times the median of its cut's recent
+  batch losses is refused ``OUT_OF_RANGE`` before its update is applied (a strike): the
+  trunk keeps its pre-step weights, momentum and batch-norm statistics (the snapshot
+  :meth:`server.trunk.Trunk.step` restores). Rows inside every bound can still carry
+  lies (labels flipped, activations scaled); once the trunk has learned, such a batch's
+  loss is tens of times the recent median, an honest one's within a few times (label
+  skew included). The loss of a step over several devices' batches together
+  (``batch_concurrent``) is not checked: refusing it would refuse the honest rows with
+  the poisoned ones, and the trunk cannot tell one device's share of it.
 * **Quarantine.** A device with ``strikes`` refused frames in a round is refused
-  ``QUARANTINED`` for the rest of the round; the other devices carry on.
+  ``QUARANTINED`` for the rest of the round; the other devices carry on. A refused
+  batch's loss is charged to the device whose admitted frame the step trains on
+  (:meth:`TrunkGuard.sender_of`).
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import weakref
 from collections import deque
 from collections.abc import Sequence
 
@@ -60,6 +80,15 @@ class _Window:
         return None if self.median is None else factor * self.median
 
 
+#: Kinds whose rows are a mean over their frame (a device's gradient of its batch's mean
+#: loss): a row of a frame of n examples is compared as n / (the most rows of recent frames)
+#: of its norm, so a short last batch's rows (2x for 16 of 32) are not taken for outliers,
+#: and a device that sends one example at a time gets no more per example than one sending 32.
+MEAN_KINDS = frozenset({"gradient"})
+#: Admitted frames remembered (weakly, while alive) to charge a step's loss to its sender.
+SENDERS_KEPT = 1024
+
+
 class TrunkGuard:
     """A shared trunk's bounds on each device's influence (see the module docstring).
 
@@ -75,10 +104,17 @@ class TrunkGuard:
         self._lock = threading.Lock()
         self._rows: dict[tuple[str, int], _Window] = {}
         self._steps = _Window(config.window_steps, min_count=config.min_steps)
+        self._losses: dict[int, _Window] = {}  # per cut: recent single-device batch losses
+        self._seeded: dict[tuple[str, int], float] = {}  # the largest row of the last seeding
+        self._frames: dict[str, deque[int]] = {}  # rows per recent frame, of the MEAN_KINDS
+        # Storage address -> (the admitted rows, who sent them, in which round): a step
+        # trains on a view of the rows its session admitted, so the address names the sender.
+        self._senders: dict[int, tuple[weakref.ref[Tensor], str, int]] = {}
         self._strikes: dict[tuple[str, int], int] = {}
         self._round = 0  # the latest round seen: older rounds' strikes are dropped
-        #: Counts since :meth:`take_books`: refused frames, clipped steps, quarantined devices.
-        self.refused = self.clipped = self.quarantined = 0
+        #: Counts since :meth:`take_books`: refused frames (of them, for their loss), clipped
+        #: steps, quarantined devices.
+        self.refused = self.loss_refused = self.clipped = self.quarantined = 0
 
     def admit(self, client: str, server_round: int, what: str, cut: int, rows: Tensor) -> None:
         """Check a frame's rows at ``cut`` before the trunk learns from them.
@@ -103,6 +139,8 @@ class TrunkGuard:
         """
         norms = rows.detach().flatten(1).norm(dim=1)
         with self._lock:
+            if what in MEAN_KINDS:  # as if the frame had the usual rows (see MEAN_KINDS)
+                norms = norms * (len(rows) / self._usual_rows(what, len(rows)))
             if server_round > self._round:  # quarantines last one round
                 self._round = server_round
                 self._strikes = {k: v for k, v in self._strikes.items() if k[1] >= server_round}
@@ -111,30 +149,141 @@ class TrunkGuard:
                                  f"{server_round} after {self.config.strikes} refused frames")
             window = self._window(what, cut)
             largest = float(norms.max()) if len(norms) else 0.0
-            bound = window.bound(self.config.row_factor)
+            bound = self._bound(what, cut)
             if bound is not None and largest > bound:
                 self._strike(client, server_round)
                 raise FrameError(Reason.OUT_OF_RANGE, (
                     f"{what} at cut {cut}: a row's norm {largest:.4g} is beyond the bound "
-                    f"{bound:.4g} calibrated from recent rows (median {window.median:.4g})"))
+                    f"{bound:.4g} calibrated from recent rows (median {window.median:.4g}) "
+                    f"and the server's own (largest {self._seeded.get((what, cut), 0.0):.4g})"))
             window.add(norms.tolist())
+            self._remember(rows, client, server_round)
+
+    def _usual_rows(self, what: str, rows: int) -> int:
+        """Return the most rows of the recent frames of ``what`` (this one included).
+
+        The most, not the median: a device flooding short frames could drag a median
+        down and get honest full frames refused; a long frame only lets every row by more.
+        """
+        recent = self._frames.get(what)
+        if recent is None:
+            recent = self._frames[what] = deque(maxlen=self.config.window_steps)
+        recent.append(rows)
+        return max(recent)
+
+    def _remember(self, rows: Tensor, client: str, server_round: int) -> None:
+        if len(self._senders) >= SENDERS_KEPT:  # forget the frames no session holds any more
+            self._senders = {k: v for k, v in self._senders.items() if v[0]() is not None}
+        self._senders[_address(rows)] = (weakref.ref(rows), client, server_round)
+
+    def sender_of(self, rows: Tensor | None) -> tuple[str, int] | None:
+        """Return (client, round) of the admitted frame ``rows`` are, or None.
+
+        None for rows no admitted frame holds, such as the concatenated batches of
+        several devices (``batch_concurrent``). The admitted frame must still be alive,
+        so its memory cannot have been reused for other rows.
+        """
+        if rows is None:
+            return None
+        with self._lock:
+            kept = self._senders.get(_address(rows))
+        if kept is None:
+            return None
+        admitted, client, server_round = kept
+        frame = admitted()
+        if frame is None or frame.shape != rows.shape:
+            return None
+        return client, server_round
+
+    def check_loss(self, loss: float, cut: int, *, classes: int, rows: Tensor | None) -> None:
+        """Refuse a batch whose mean loss is far beyond its cut's recent range (a strike).
+
+        Called by the trunk before the batch's update is computed. Only a batch that is
+        one device's admitted frame (``rows``) is checked and enters the statistics.
+
+        Raises
+        ------
+        FrameError
+            ``OUT_OF_RANGE`` beyond ``max(ln classes, loss_factor x median)``.
+        """
+        if not self.config.loss_factor or not math.isfinite(loss):
+            return  # a non-finite loss leaves non-finite gradients: STEP_NOT_FINITE
+        sender = self.sender_of(rows)
+        if sender is None:
+            return
+        with self._lock:
+            window = self._loss_window(cut)
+            if window.median is not None:
+                bound = max(math.log(classes), self.config.loss_factor * window.median)
+                if loss > bound:
+                    self.loss_refused += 1
+                    self._strike(*sender)
+                    raise FrameError(Reason.OUT_OF_RANGE, (
+                        f"the batch's loss {loss:.4g} at cut {cut} is beyond the bound "
+                        f"{bound:.4g} from recent batches (median {window.median:.4g}); "
+                        "not applied"))
+            window.add([loss])
+
+    def _loss_window(self, cut: int) -> _Window:
+        window = self._losses.get(cut)
+        if window is None:
+            window = self._losses[cut] = _Window(self.config.window_steps,
+                                                 min_count=self.config.min_steps)
+        return window
+
+    def _seed_losses(self, cut: int, losses: list[float]) -> None:
+        """Restart a cut's loss statistics from ``losses`` if they are beyond its bound."""
+        if not losses:
+            return
+        median = float(np.median(losses))
+        with self._lock:
+            window = self._loss_window(cut)
+            if window.median is not None and median <= self.config.loss_factor * window.median:
+                return  # the usual case: the recent batches describe this round's model too
+            fresh = self._losses[cut] = _Window(self.config.window_steps, min_count=len(losses))
+            fresh.add(losses)
 
     def seed(self, what: str, cut: int, rows: Tensor) -> None:
         """Add rows of known provenance to a cut's statistics (see :func:`reference_rows`).
 
-        Seeded rows need no warm-up: the bound applies from the next frame on.
+        Seeded rows need no warm-up: the bound applies from the next frame on. Seeded
+        ``loss`` values (held-out batches' mean losses through this round's model) restart
+        the cut's loss statistics when their median is beyond the current bound: the
+        device side moved so far (an average of poisoned copies, say) that the recent
+        batches' median would refuse every device, honest ones included, from then on.
         """
-        norms = rows.detach().flatten(1).norm(dim=1).tolist()
+        if what == "loss":
+            self._seed_losses(cut, rows.detach().flatten().tolist())
+            return
+        norms = rows.detach().flatten(1).norm(dim=1)
         with self._lock:
             window = self._window(what, cut)
             window.min_count = min(window.min_count, len(norms))  # known rows need no warm-up
-            window.add(norms)
+            window.add(norms.tolist())
+            if len(norms):  # this round's reference replaces the last one's
+                self._seeded[what, cut] = float(norms.max())
 
     def bound(self, what: str, cut: int) -> float | None:
         """Return the current bound on a row's norm at ``cut`` (None: not calibrated yet)."""
         with self._lock:
-            window = self._rows.get((what, cut))
-            return None if window is None else window.bound(self.config.row_factor)
+            return self._bound(what, cut)
+
+    def _bound(self, what: str, cut: int) -> float | None:
+        """``row_factor`` x the recent median, or ``seed_factor`` x the largest seeded row.
+
+        A mean kind's seeded bound replaces the median's: its honest rows are heavy-tailed
+        (the median of returned gradients falls 100-fold as the model grows confident,
+        while a misclassified row's stays), so no factor of the median fits them all.
+        """
+        seeded = self._seeded.get((what, cut))
+        if seeded is not None and what in MEAN_KINDS:
+            return self.config.seed_factor * seeded
+        window = self._rows.get((what, cut))
+        bounds = [] if window is None or window.median is None else [
+            window.bound(self.config.row_factor)]
+        if seeded is not None:
+            bounds.append(self.config.seed_factor * seeded)
+        return max(bounds, default=None)
 
     def _window(self, what: str, cut: int) -> _Window:
         window = self._rows.get((what, cut))
@@ -169,12 +318,17 @@ class TrunkGuard:
             self.quarantined += 1
 
     def take_books(self) -> dict[str, int]:
-        """Return refused frames, clipped steps and devices quarantined; count again from 0."""
+        """Return the counts of refusals, loss refusals, clips and quarantines; reset them."""
         with self._lock:
-            books = {"guard_refused": self.refused, "guard_clipped": self.clipped,
-                     "guard_quarantined": self.quarantined}
-            self.refused = self.clipped = self.quarantined = 0
+            books = {"guard_refused": self.refused, "guard_loss_refused": self.loss_refused,
+                     "guard_clipped": self.clipped, "guard_quarantined": self.quarantined}
+            self.refused = self.loss_refused = self.clipped = self.quarantined = 0
             return books
+
+
+def _address(rows: Tensor) -> int:
+    """Where ``rows`` start in memory (shared by every view of them at the same offset)."""
+    return rows.untyped_storage().data_ptr() + rows.storage_offset() * rows.element_size()
 
 
 def reference_rows(model: nn.Module, inputs: Tensor, labels: Tensor, *, cuts: Sequence[int],
@@ -185,7 +339,8 @@ def reference_rows(model: nn.Module, inputs: Tensor, labels: Tensor, *, cuts: Se
     joined with the trunk, any release at the cut included); ``inputs``/``labels`` are
     the server's own held-out examples. Activations at every cut in ``cuts``; with a
     device tail (``tail_cut``), also the gradient a device returns there: that of its
-    batch's mean loss (``batch_size`` rows a batch) with respect to the trunk's output.
+    batch's mean loss (``batch_size`` rows a batch) with respect to the trunk's output;
+    without one, each batch's mean loss (``("loss", cut)``, the same for every cut).
     """
     stages = list(model.stages)  # type: ignore[attr-defined]
     rows: dict[tuple[str, int], Tensor] = {}
@@ -205,4 +360,11 @@ def reference_rows(model: nn.Module, inputs: Tensor, labels: Tensor, *, cuts: Se
                                                labels[start:start + batch_size])
             grads.append(torch.autograd.grad(loss, features)[0])
         rows["gradient", tail_cut] = torch.cat(grads)
+    else:  # the trunk holds the loss: the batches' mean losses, the loss check's floor
+        with torch.no_grad():
+            for stage in stages[max(cuts):]:
+                x = stage(x)
+            losses = nn.functional.cross_entropy(x, labels, reduction="none")
+        means = torch.stack([chunk.mean() for chunk in losses.split(batch_size)])
+        rows |= {("loss", cut): means for cut in cuts}
     return rows

@@ -78,6 +78,10 @@ class Trunk:
         self.stage_samples = [0] * model.num_stages
         #: Seconds spent holding the trunk (the virtual clock adds them per round).
         self.busy_s = 0.0
+        # The step in progress (lock held): its first stage and the rows it first ran,
+        # which the guard's loss check charges to their sender.
+        self._step_cut: int | None = None
+        self._step_rows: Tensor | None = None
 
     @property
     def num_classes(self) -> int:
@@ -90,6 +94,8 @@ class Trunk:
 
     def run(self, x: Tensor, start: int, end: int | None = None) -> Tensor:
         """Run stages ``[start, end)`` (to the output when ``end`` is None)."""
+        if self._step_cut is not None and self._step_rows is None:
+            self._step_rows = x  # the batch as the session admitted it (a view of its frame)
         if self.channels_last and x.dim() == 4:
             # A differentiable copy: a leaf's .grad keeps the leaf's layout (autograd's
             # layout contract), so the gradient at the cut goes back as it came.
@@ -124,14 +130,19 @@ class Trunk:
         as trained on ``samples``. The update is applied only if the body
         returns and every gradient is finite; otherwise nothing changes (weights,
         optimiser state, and buffers the forward moved such as batch-norm statistics).
+        With a guard, a loss given to ``backward`` is checked first
+        (:meth:`TrunkGuard.check_loss`): a batch whose loss is far beyond the recent
+        range is refused the same way, before any gradient is computed.
 
         Raises
         ------
         FrameError
-            ``STEP_NOT_FINITE`` when a gradient is NaN or infinite.
+            ``STEP_NOT_FINITE`` when a gradient is NaN or infinite; ``OUT_OF_RANGE``
+            when the guard refuses the batch's loss.
         """
         with self._held(train=True):
             saved = self._save_buffers()
+            self._step_cut, self._step_rows = from_stage, None
             try:
                 yield self._backward
                 self._check_and_clip_gradients()
@@ -139,6 +150,8 @@ class Trunk:
                 self.optimizer.zero_grad(set_to_none=True)
                 self._restore_buffers(saved)
                 raise
+            finally:
+                self._step_cut = self._step_rows = None
             self.optimizer.step()
             self.steps += 1
             self.samples += samples
@@ -146,6 +159,10 @@ class Trunk:
                 self.stage_samples[index] += samples
 
     def _backward(self, output: Tensor, gradient: Tensor | None = None) -> None:
+        if gradient is None and self.guard is not None and self._step_cut is not None:
+            # ``output`` is the batch's mean loss: refused before any gradient is computed.
+            self.guard.check_loss(float(output.detach()), self._step_cut, classes=self.num_classes,
+                                  rows=self._step_rows)
         # Zeroed right before the backward: the gradients then reuse the memory the
         # last step's just freed (zeroing before the forward cost ~8% per step).
         self.optimizer.zero_grad(set_to_none=True)

@@ -153,22 +153,38 @@ class GuardConfig:
     enabled: bool = True
     # A row (an example's activations, or a returned gradient) is refused beyond this many
     # times the median norm of recent rows at its cut (honest rows measured up to 8x: a
-    # ResNet's cut 4; 1.5x for the CNN, 3.5x for a U-shaped device's gradient).
+    # ResNet's cut 4; 1.5x for the CNN).
     row_factor: float = 20.0
+    # ... unless within this many times the largest row the server's own examples gave there
+    # this round (seeded, see server/guard.py). Returned gradients (U-shaped) are bounded by
+    # that alone: they are heavy-tailed (a confident row's is ~1/100 of a misclassified
+    # one's), and the median's bound refused honest ones from round 4; honest rows measured
+    # up to 1.6x the seeded largest (per example).
+    seed_factor: float = 4.0
     min_rows: int = 128  # rows seen at a cut before its bound applies (unless seeded)
     window_rows: int = 4096  # recent rows the bound is computed from
     # A trunk step's gradient norm is clipped to this many times the median of recent
     # steps' (0: not clipped).
     update_clip: float = 5.0
-    min_steps: int = 20  # steps before clipping starts
+    min_steps: int = 20  # steps before clipping starts (a cut's losses: before they are checked)
     window_steps: int = 32  # recent steps the median is taken over (norms grow 10x in round 1-2)
     strikes: int = 2  # refused frames that quarantine a device for the rest of the round
+    # One device's batch is refused before its update is applied when its mean loss is
+    # beyond max(chance level ln C, loss_factor x the median of its cut's recent batch
+    # losses) (0: not checked). Honest batches measured up to 4.9x the median (label skew,
+    # Dirichlet 0.1) and under ln C once the median is; label-flipped ones at 10-200x.
+    loss_factor: float = 6.0
 
     def __post_init__(self) -> None:
         if not self.row_factor > 1:
             raise ValueError(f"dataplane.guard.row_factor={self.row_factor}: need > 1")
+        if not self.seed_factor >= 1:
+            raise ValueError(f"dataplane.guard.seed_factor={self.seed_factor}: need >= 1")
         if not self.update_clip >= 0:
             raise ValueError(f"dataplane.guard.update_clip={self.update_clip}: need >= 0")
+        if not (self.loss_factor == 0 or self.loss_factor > 1):
+            raise ValueError(f"dataplane.guard.loss_factor={self.loss_factor}: need 0 (off) "
+                             "or > 1")
         for key in ("min_rows", "window_rows", "min_steps", "window_steps", "strikes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"dataplane.guard.{key}={getattr(self, key)}: need >= 1")
@@ -356,9 +372,14 @@ class PrivacyConfig:
         return self.name != "none"
 
 
+#: How the devices' copies of a stage may be aggregated (``aggregation.robust``): the
+#: weighted mean, or Flower's FedMedian, FedTrimmedAvg, Krum, MultiKrum and Bulyan.
+ROBUST_METHODS = ("none", "median", "trimmed_mean", "krum", "multi_krum", "bulyan")
+
+
 @dataclass
 class AggregationConfig:
-    """What the server learns of the client-side weights it averages (the Flower messages).
+    """What the server learns of the client-side weights it averages, and how it averages them.
 
     ``secure`` runs Flower's SecAgg+ on every training round (``secaggplus_mod`` on the
     ClientApp, ``SecAggPlusWorkflow``'s four stages from the ServerApp): each device masks
@@ -367,6 +388,10 @@ class AggregationConfig:
     ``DifferentialPrivacyClientSideFixedClipping``): each device bounds the L2 norm of its
     update before it leaves, the average is uniform over devices, and the server adds
     Gaussian noise of std ``update_noise_multiplier`` x clip / devices to it.
+    ``robust`` replaces the weighted mean of the devices' copies of each stage by a
+    statistic that a few poisoned copies cannot drag far (``splitlearn/robust.py``); it
+    reads every device's arrays, so it excludes ``secure``. ``max_examples_ratio`` bounds
+    the ``num-examples`` each device claims, which weighs its copy in every mean.
     """
 
     secure: bool = False
@@ -384,6 +409,23 @@ class AggregationConfig:
     update_clip_norm: float = 0.0  # DP-FedAvg: L2 bound of a device's update; 0 = off
     update_noise_multiplier: float = 0.0  # sigma on the sum of clipped updates; 0 = clip only
     update_delta: float = 1e-5  # the delta update-epsilon is reported at
+    # Robust aggregation of the device side, per stage over the devices' copies of it:
+    # none (the mean weighted by examples) | median | trimmed_mean | krum | multi_krum |
+    # bulyan (Flower's FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan). Needs each
+    # device's own arrays: not with secure=true, nor with DP-FedAvg's noise.
+    robust: str = "none"
+    # f, the devices assumed Byzantine (Flower's num_malicious_nodes): sets Krum's
+    # neighbours and Bulyan's selection, and the fewest copies a method needs (median 2f+1,
+    # trimmed_mean int(trim_fraction x n) >= max(f, 1), krum and multi_krum 2f+3, bulyan
+    # 4f+3). A round's stage with fewer copies keeps its previous weights.
+    num_malicious: int = 1
+    # trimmed_mean: share of the copies cut off at each end of every coordinate (Flower's beta)
+    trim_fraction: float = 0.2
+    multi_krum_selected: int = 0  # multi_krum: the best-scored copies averaged (m); 0 = n - f
+    # A device's claimed num-examples weighs at most this x the round's median claim (the
+    # lower median of the finished devices); 0 = unbounded. Not under secure=true: there
+    # each device applies its own weight before masking (max_weight).
+    max_examples_ratio: float = 10.0
 
     def __post_init__(self) -> None:
         for key in ("num_shares", "reconstruction_threshold", "clipping_range", "max_weight"):
@@ -417,6 +459,31 @@ class AggregationConfig:
         if not 0 < self.update_delta < 1:
             raise ValueError(f"aggregation.update_delta must be in (0, 1), got "
                              f"{self.update_delta!r}")
+        if self.robust not in ROBUST_METHODS:
+            raise ValueError(f"aggregation.robust={self.robust!r}: expected one of "
+                             f"{list(ROBUST_METHODS)}")
+        for key in ("num_malicious", "multi_krum_selected"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"aggregation.{key} must be >= 0, got {getattr(self, key)!r}")
+        if not 0 < self.trim_fraction < 0.5:
+            raise ValueError(f"aggregation.trim_fraction must be in (0, 0.5), got "
+                             f"{self.trim_fraction!r}")
+        if not (self.max_examples_ratio == 0 or (math.isfinite(self.max_examples_ratio)
+                                                 and self.max_examples_ratio >= 1)):
+            raise ValueError("aggregation.max_examples_ratio must be 0 (unbounded) or a finite "
+                             f"number >= 1, got {self.max_examples_ratio!r}")
+        if self.robust != "none" and self.secure:
+            raise ValueError(
+                f"aggregation.robust={self.robust} needs each device's own arrays; "
+                "aggregation.secure=true lets the server see only their sum (SecAgg+): choose "
+                "one of them")
+        if self.robust != "none" and self.update_noise_multiplier:
+            raise ValueError(
+                f"aggregation.robust={self.robust} with aggregation.update_noise_multiplier="
+                f"{self.update_noise_multiplier}: DP-FedAvg's noise is calibrated to the mean "
+                "of clipped updates, which one device moves by at most clip / n; a robust "
+                "statistic can move by a whole update (Krum picks one), so the reported "
+                "update-epsilon would not hold (clipping alone, noise 0, is accepted)")
 
     @property
     def clipped(self) -> bool:

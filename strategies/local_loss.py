@@ -83,18 +83,40 @@ class LocalLossSplit(SplitFed):
         return ArrayRecord({**super().client_arrays(node, stages), **head})
 
     def aggregate_arrays(self, server_round: int, finished: list[Message]) -> ArrayRecord:
-        """Merge the stages over every copy that trained them; average each cut's heads."""
+        """Merge the stages over every copy that trained them; average each cut's heads.
+
+        Claimed examples are bounded first. With a robust rule the stages go to the
+        merge as :meth:`SplitFed.device_side` says, and each cut's heads (trained
+        on the devices only) are aggregated by the rule over that cut's devices; a
+        head with too few copies for it keeps its previous weights.
+        """
         stage_updates, head_updates = [], defaultdict(list)
-        for reply in finished:
+        heads_of: dict[int, list[Message]] = defaultdict(list)
+        for reply, weight in zip(finished, self.bounded_weights(finished), strict=True):
             stages, head = split_client_state(record_to_state(reply.content[self.arrayrecord_key]))
-            samples = int(reply_metrics(reply)[self.weighted_by_key])
+            samples = int(weight)
             stage_updates.append((stages, samples))
-            head_updates[self.assignment(reply.metadata.src_node_id).cut].append((head, samples))
+            cut = self.assignment(reply.metadata.src_node_id).cut
+            head_updates[cut].append((head, samples))
+            heads_of[cut].append(reply)
         merge = getattr(self.trunk, "merge_round", None)  # a trunk side may not merge
-        merged = (merge(stage_updates, upto=self.global_cut) if merge is not None
-                  else weighted_average(stage_updates))
         _, heads = heads_by_cut(record_to_state(self._global))
-        heads |= {cut: weighted_average(parts) for cut, parts in head_updates.items()}
+        if self.robust is None:
+            merged = (merge(stage_updates, upto=self.global_cut) if merge is not None
+                      else weighted_average(stage_updates))
+            heads |= {cut: weighted_average(parts) for cut, parts in head_updates.items()}
+            return state_to_record(merged | keyed_heads(heads))
+        device_side = self.device_side(finished, stage_updates)
+        if merge is not None:
+            merged = merge(device_side, upto=self.global_cut)
+        else:  # no trunk copy to merge with: the devices' aggregate, held blocks as they were
+            current = record_to_state(self._global)
+            merged = {k: v if n > 0 else current[k] for state, n in device_side
+                      for k, v in state.items()}
+        for cut, parts in head_updates.items():
+            blocks = self.robust_blocks(heads_of[cut], parts)
+            if all(b.held is None for b in blocks):  # a cut's head is one block
+                heads[cut] = {k: v for b in blocks for k, v in b.state.items()}
         return state_to_record(merged | keyed_heads(heads))
 
     def aggregate_train(

@@ -13,6 +13,12 @@ same way, at FedAvg's own hooks:
   shapes or dtypes — with per-client cuts, stages beyond its own — or values
   that are not finite) is ``refused``. Only ``ok`` replies are averaged, so
   nothing of a client's partial or malformed work reaches the weights;
+* the devices' own word bounded and, as an option, their copies aggregated robustly
+  (``aggregation.max_examples_ratio``, ``aggregation.robust``: :mod:`splitlearn.robust`):
+  each finished device's claimed examples are capped at a multiple of the round's
+  median claim before they weigh its copy, and a robust statistic may replace the
+  weighted mean; what the defence did (claims capped, devices left out, copies
+  trimmed, stages held) is in the round's metrics and the devices' rows;
 * a :class:`RoundOutcome` per round (a row per sampled client and the aggregated
   metrics) handed to the ``on_round`` hook, which is how the reporter learns it.
 """
@@ -20,7 +26,7 @@ same way, at FedAvg's own hooks:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
@@ -31,6 +37,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+from torch import Tensor
 
 from splitlearn.config import AggregationConfig, RunSpec, encode_spec
 from splitlearn.messages import (
@@ -38,8 +45,11 @@ from splitlearn.messages import (
     ROUND_KEY,
     SPEC_KEY,
     STATUS_KEY,
+    record_to_state,
+    state_to_record,
     with_dtypes_of,
 )
+from splitlearn.robust import SELECTING, Block, RobustRule, bound_claims, robust_blocks
 
 #: Statuses a reply can have, in report order.
 STATUSES = ("ok", "straggler", "unavailable", "dropout", "memory", "refused", "budget", "privacy",
@@ -78,6 +88,52 @@ class RoundOutcome:
     rows: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     parallel: bool = True
+
+
+@dataclass
+class RoundDefence:
+    """What the bound on claims and the robust rule did in one round, for its report.
+
+    Parameters
+    ----------
+    bounded : bool
+        Whether claims were bounded (``examples-capped`` is then reported, 0 included).
+    robust : bool
+        Whether a robust rule aggregated the round (``robust-*`` are then reported).
+    counted : dict[int, float]
+        Node -> the weight its claim was capped to.
+    left_out : dict[int, int]
+        Node -> the blocks a selecting method left its copy out of (every node a
+        selecting method saw, 0 included).
+    trimmed : int
+        The most copies any block left out of a coordinate's mean.
+    held : int
+        Blocks with too few copies for the rule (they keep their previous weights).
+    """
+
+    bounded: bool = False
+    robust: bool = False
+    counted: dict[int, float] = field(default_factory=dict)
+    left_out: dict[int, int] = field(default_factory=dict)
+    trimmed: int = 0
+    held: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """Return the round's metrics of the defence (none when it is off)."""
+        metrics = {"examples-capped": float(len(self.counted))} if self.bounded else {}
+        if self.robust:
+            metrics |= {"robust-left-out": float(sum(n > 0 for n in self.left_out.values())),
+                        "robust-trimmed": float(self.trimmed), "robust-held": float(self.held)}
+        return metrics
+
+    def row(self, node: int) -> dict[str, Any]:
+        """Return what ``node``'s row adds: its counted examples, blocks it was left out of."""
+        row: dict[str, Any] = {}
+        if node in self.counted:
+            row["examples_counted"] = self.counted[node]
+        if node in self.left_out:
+            row["robust_left_out"] = self.left_out[node]
+        return row
 
 
 def reply_metrics(reply: Message) -> MetricRecord:
@@ -196,6 +252,10 @@ class ReportingFedAvg(FedAvg):
     secure_aggregation : AggregationConfig, optional
         Deliver training rounds through SecAgg+ (``aggregation.secure``): the
         server learns only the average of the client-side weights.
+    aggregation : AggregationConfig, optional
+        How the devices' copies are weighed and aggregated (``aggregation.robust``,
+        ``aggregation.max_examples_ratio``); without it, FedAvg's weighted mean of
+        the claimed examples, unbounded.
     **fedavg_kwargs : Any
         Passed to :class:`flwr.serverapp.strategy.FedAvg`.
     """
@@ -212,6 +272,7 @@ class ReportingFedAvg(FedAvg):
         on_round: Callable[[RoundOutcome], None] | None = None,
         round_deadline_s: float | None = None,
         secure_aggregation: AggregationConfig | None = None,
+        aggregation: AggregationConfig | None = None,
         **fedavg_kwargs: Any,
     ) -> None:
         fedavg_kwargs.setdefault("train_metrics_aggr_fn", aggregate_split_metrics)
@@ -231,12 +292,25 @@ class ReportingFedAvg(FedAvg):
         self._asked: list[Message] = []  # this round's train messages, as sent
         #: How many replies the last training round averaged.
         self.averaged = 0
+        #: The robust statistic of the devices' copies (None: the weighted mean).
+        self.robust = RobustRule.of(aggregation)
+        #: A device's claimed examples count at most this x the round's median (0: unbounded).
+        #: Not under SecAgg+: each device weighs its own update inside the masked sum, and
+        #: every reply carries the same average, so a cap here would change nothing.
+        self.max_examples_ratio = (aggregation.max_examples_ratio
+                                   if aggregation is not None and not aggregation.secure else 0.0)
+        self._round_arrays: ArrayRecord | None = None  # the global arrays of this round
+        #: What the defence did in the last training round.
+        self.defence = RoundDefence()
 
     def summary(self) -> None:
         """Log FedAvg's settings plus the protocol's."""
         super().summary()
         log(INFO, "\t└──> Protocol %s: model %s, cut %d", self.protocol,
             self.spec.model._target_ or self.spec.model.name, self.spec.model.cut)
+        if self.robust is not None:
+            log(INFO, "\t└──> Robust aggregation %s, f=%d (per stage over its devices' copies)",
+                self.robust.method, self.robust.num_malicious)
 
     def wrap_grid(self, grid: Grid) -> Grid:
         """Return the grid this protocol sends through (a hook: sequential SL takes turns).
@@ -293,6 +367,7 @@ class ReportingFedAvg(FedAvg):
         ready = self.ready(grid, [m.metadata.dst_node_id for m in messages])
         kept = set(self.choose(server_round, ready))
         self._round_started = time.perf_counter()
+        self._round_arrays = arrays
         typed = [self._typed(m, server_round, "train") for m in messages
                  if m.metadata.dst_node_id in kept]
         self._asked = typed
@@ -315,15 +390,98 @@ class ReportingFedAvg(FedAvg):
         """Return the part of the global arrays ``node`` gets (a hook: per-client cuts)."""
         return arrays
 
-    def aggregate_arrays(self, server_round: int, finished: list[Message]) -> ArrayRecord:
+    def aggregate_arrays(self, server_round: int, finished: list[Message]) -> ArrayRecord | None:
         """Average the finished clients' arrays by examples, as FedAvg does (a hook).
 
         Each array keeps the dtype the clients sent: Flower's average turns
         integer buffers (batch norm's ``num_batches_tracked``) into float64,
         which the next round's clients would send back as int64 and be refused.
+        Claims above the bound count as the bound; with ``aggregation.robust`` the
+        robust statistic replaces the mean (None: every array held, the previous
+        weights stay).
         """
-        averaged = aggregate_arrayrecords([r.content for r in finished], self.weighted_by_key)
+        weights = self.bounded_weights(finished)
+        if self.robust is not None:
+            states = [record_to_state(r.content[self.arrayrecord_key]) for r in finished]
+            blocks = self.robust_blocks(finished, list(zip(states, weights, strict=True)))
+            return self.blocks_record(blocks, states[0])
+        contents = [r.content for r in finished]
+        if any(w != float(reply_metrics(r)[self.weighted_by_key])
+               for r, w in zip(finished, weights, strict=True)):
+            contents = [RecordDict({self.arrayrecord_key: r.content[self.arrayrecord_key],
+                                    "metrics": MetricRecord({self.weighted_by_key: float(w)})})
+                        for r, w in zip(finished, weights, strict=True)]
+        averaged = aggregate_arrayrecords(contents, self.weighted_by_key)
         return with_dtypes_of(averaged, finished[0].content[self.arrayrecord_key])
+
+    def bounded_weights(self, finished: Sequence[Message]) -> list[float]:
+        """Return each finished reply's weight: its claim, capped at the round's bound.
+
+        A claim within ``max_examples_ratio`` x the round's median claim is returned
+        as it is (so honest rounds average exactly as before); the others count as
+        the bound, and their rows say so (``examples_counted``).
+        """
+        claims = [float(reply_metrics(r)[self.weighted_by_key]) for r in finished]
+        bounded = bound_claims(claims, self.max_examples_ratio)
+        self.defence.bounded = self.max_examples_ratio > 0
+        for reply, claim, weight in zip(finished, claims, bounded, strict=True):
+            if weight < claim:
+                node = reply.metadata.src_node_id
+                log(WARNING, "client %s claims %s %s; counted as %s (aggregation."
+                    "max_examples_ratio=%s x the round's median)", node, claim,
+                    self.weighted_by_key, weight, self.max_examples_ratio)
+                self.defence.counted[node] = weight
+        return bounded
+
+    def robust_blocks(self, finished: Sequence[Message],
+                      updates: Sequence[tuple[Mapping[str, Tensor], float]]) -> list[Block]:
+        """Aggregate ``updates`` (``finished``'s copies, in order) with the robust rule.
+
+        May be called more than once a round (local loss: the stages, then each
+        cut's heads); :attr:`defence` adds up what each call did: the devices a
+        selecting method left out of a block they held (``robust-left-out``; their
+        rows' ``robust_left_out`` counts the blocks), the copies left out of each
+        coordinate's mean (``robust-trimmed``, the most of any block) and the
+        blocks with too few copies for the rule (``robust-held``, logged with why).
+        """
+        assert self.robust is not None
+        blocks = robust_blocks(updates, self.robust)
+        nodes = [r.metadata.src_node_id for r in finished]
+        defence = self.defence
+        defence.robust = True
+        for block in blocks:
+            if block.held is not None:
+                defence.held += 1
+                log(WARNING, "robust aggregation: %d array(s) from %r keep their previous "
+                    "weights: %s", len(block.keys), block.keys[0], block.held)
+                continue
+            defence.trimmed = max(defence.trimmed, block.trimmed)
+            if self.robust.method in SELECTING:
+                for index in block.holders:
+                    node = nodes[index]
+                    defence.left_out[node] = (defence.left_out.get(node, 0)
+                                              + (index not in block.kept))
+        if left := sorted(n for n, count in defence.left_out.items() if count):
+            log(INFO, "robust aggregation (%s) left out client(s) %s", self.robust.method, left)
+        return blocks
+
+    def blocks_record(self, blocks: Sequence[Block], order: Mapping[str, Tensor]
+                      ) -> ArrayRecord | None:
+        """Return the aggregated blocks as the round's arrays, keyed in ``order``'s order.
+
+        A held block keeps this round's global arrays. None (Flower keeps the previous
+        arrays, all of them) when a block is held and this strategy sent no global
+        arrays this round (replies handed in without :meth:`configure_train`).
+        """
+        merged: dict[str, Tensor] = {}
+        held = [b for b in blocks if b.held is not None]
+        if held and self._round_arrays is None:
+            return None
+        global_state = record_to_state(self._round_arrays) if held and self._round_arrays else {}
+        for block in blocks:
+            merged |= (block.state if block.held is None
+                       else {k: global_state[k] for k in block.keys})
+        return state_to_record({k: merged[k] for k in order if k in merged})
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -386,11 +544,12 @@ class ReportingFedAvg(FedAvg):
         self.averaged = len(finished)
         self.finish_round(server_round, finished)
         arrays, metrics = None, None
+        self.defence = RoundDefence()
         if finished:
             arrays = self.aggregate_arrays(server_round, finished)
             metrics = self.train_metrics_aggr_fn([r.content for r in finished],
                                                  self.weighted_by_key)
-        report = dict(metrics or {"num-examples": 0.0})
+        report = dict(metrics or {"num-examples": 0.0}) | self.defence.metrics()
         for status in STATUSES[1:]:
             report[f"clients-{status}"] = statuses.count(status)
         report["clients-lost"] = len(lost)
@@ -401,6 +560,7 @@ class ReportingFedAvg(FedAvg):
             report |= self.extra_metrics(finished)
         if self.on_round is not None:
             rows = [client_row(r, s) | problems.get(i, {})
+                    | self.defence.row(r.metadata.src_node_id)
                     for i, (r, s) in enumerate(zip(replies, statuses, strict=True))]
             rows += [{"client": node, "node_id": node, "status": "lost", "reason": reason}
                      for node, reason in lost.items()]

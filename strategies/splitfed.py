@@ -16,13 +16,14 @@ from typing import Any, Protocol
 
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp import Grid
+from torch import Tensor
 
 from splitlearn.dataplane import TokenRegistry
 from splitlearn.messages import record_to_state, stages_outside, state_to_record
 from splitlearn.planning.cost import Assignment
 from strategies.adaptive import CutPlanning
 from strategies.key_exchange import NodeKeys
-from strategies.reporting import ReportingFedAvg, reply_metrics
+from strategies.reporting import ReportingFedAvg
 
 
 @dataclass(frozen=True)
@@ -118,18 +119,40 @@ class SplitFed(ReportingFedAvg):
         cut = self.assignment(node).cut
         return arrays if cut == self.global_cut else stages_outside(arrays, cut, self.global_cut)
 
-    def aggregate_arrays(self, server_round: int, finished: list[Message]) -> ArrayRecord:
+    def aggregate_arrays(self, server_round: int, finished: list[Message]) -> ArrayRecord | None:
         """Merge every stage over the copies that trained it, client and trunk alike.
 
         A trunk side that cannot merge per stage gets FedAvg of the client sides
-        (its clients all hold ``model.cut``).
+        (its clients all hold ``model.cut``). Claimed examples are bounded
+        (:meth:`bounded_weights`); with a robust rule the devices' copies of each
+        block of stages become one copy, weighted by their examples, beside the
+        trunk's own (:meth:`device_side`).
         """
         merge = getattr(self.trunk, "merge_round", None)
         if merge is None:
             return super().aggregate_arrays(server_round, finished)
-        updates = [(record_to_state(r.content[self.arrayrecord_key]),
-                    int(reply_metrics(r)[self.weighted_by_key])) for r in finished]
+        updates = self.device_side(finished, [
+            (record_to_state(r.content[self.arrayrecord_key]), int(w))
+            for r, w in zip(finished, self.bounded_weights(finished), strict=True)])
         return state_to_record(merge(updates, upto=self.global_cut))
+
+    def device_side(self, finished: list[Message], updates: list[tuple[dict[str, Tensor], int]]
+                    ) -> list[tuple[dict[str, Tensor], int]]:
+        """Return what stands for the devices' copies in the per-stage merge.
+
+        Without a robust rule, the copies themselves. With one, a copy per block (the
+        stages held by the same devices) holding its robust aggregate, weighted by
+        the holders' bounded examples: the trunk's own copy of a stage is the
+        server's computation and is trusted, so it keeps the share it has in the
+        plain merge, and only what stands for the devices changes. A held block
+        (too few copies for the rule) is passed with no examples: no copy of the
+        devices counts, and its stages keep the trunk's weights (the previous
+        round's, where the trunk did not train them).
+        """
+        if self.robust is None:
+            return updates
+        blocks = self.robust_blocks(finished, updates)
+        return [(b.state, 0 if b.held is not None else int(b.weight)) for b in blocks]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -8,6 +8,11 @@ replay it through the real endpoint and sessions, with and without the guard.
 
 from __future__ import annotations
 
+import copy
+import functools
+import math
+import threading
+
 import pytest
 import torch
 
@@ -52,8 +57,8 @@ def test_a_device_is_quarantined_for_the_round_after_its_strikes():
     assert quarantined.value.reason_name == "QUARANTINED"
     guard.admit("other", 3, "activations", CUT, honest_rows(4))  # the others carry on
     guard.admit("liar", 4, "activations", CUT, honest_rows(4))  # a new round, a new start
-    assert guard.take_books() == {"guard_refused": 2, "guard_clipped": 0,
-                                  "guard_quarantined": 1}
+    assert guard.take_books() == {"guard_refused": 2, "guard_loss_refused": 0,
+                                  "guard_clipped": 0, "guard_quarantined": 1}
 
 
 def test_a_minority_of_rows_at_the_bound_cannot_drag_the_bound_up():
@@ -84,7 +89,8 @@ def test_seeded_statistics_bound_the_first_frame_of_a_round():
     model = digits_like_model("cnn")
     x, y = fixed_batches(1, batch=64)[0]
     rows = reference_rows(model, x, y, cuts=[1, 2], tail_cut=None, batch_size=32)
-    assert set(rows) == {("activations", 1), ("activations", 2)}
+    assert set(rows) == {("activations", 1), ("activations", 2), ("loss", 1), ("loss", 2)}
+    assert rows["loss", 1].shape == (2,)  # a mean loss per batch of 32
     guard = TrunkGuard(GuardConfig())
     assert guard.bound("activations", 1) is None
     guard.seed("activations", 1, rows["activations", 1])
@@ -140,7 +146,7 @@ def test_three_frames_at_the_value_bound_do_not_wreck_a_guarded_trunk(guard):
             honest.forward(bottom(x).detach(), y)
         except TrunkRejected:
             refused_honest += 1
-    largest = max(float(p.abs().max()) for p in side.trunk.model.parameters())
+    largest = max(float(p.detach().abs().max()) for p in side.trunk.model.parameters())
     if guard:
         assert refusals == ["OUT_OF_RANGE", "OUT_OF_RANGE", "QUARANTINED"]
         assert refused_honest == 0 and largest < 10.0
@@ -174,3 +180,260 @@ def test_a_ushaped_device_returning_extreme_gradients_is_refused_and_quarantined
             refusals.append(err.reason)
     assert refusals == ["OUT_OF_RANGE", "OUT_OF_RANGE", "QUARANTINED"]
     assert side.trunk.steps == 0
+
+
+# --- rows of mean kinds: the returned gradients ------------------------------------------
+
+def gradient_rows(n: int, *, wrong: int, scale: float = 1.0) -> torch.Tensor:
+    """A U-shaped device's returned gradient once the model is confident: most rows near 0,
+    ``wrong`` misclassified rows at the full 1/n."""
+    rows = torch.zeros(n, 16)
+    rows[:, 0] = 0.01 / n
+    rows[:wrong, 0] = 1.0 / n
+    return rows * scale
+
+
+def test_heavy_tailed_returned_gradients_pass_a_seeded_bound_and_failed_the_median():
+    """The false positive this bound fixes: honest U-shaped batches were refused after a few
+    rounds, a misclassified row's gradient being 100x the (confident) median's."""
+    seeded = TrunkGuard(GuardConfig(min_rows=64))
+    seeded.seed("gradient", 4, gradient_rows(256, wrong=8) * 256 / 32)  # batches of 32, as run
+    median_only = TrunkGuard(GuardConfig(min_rows=64))
+    for guard in (seeded, median_only):
+        for _ in range(4):
+            guard.admit("honest", 1, "gradient", 4, gradient_rows(32, wrong=0))
+    seeded.admit("honest", 1, "gradient", 4, gradient_rows(32, wrong=2))
+    with pytest.raises(Exception, match="beyond the bound"):
+        median_only.admit("honest", 1, "gradient", 4, gradient_rows(32, wrong=2))
+    with pytest.raises(Exception, match="beyond the bound"):  # 5x an honest row: still refused
+        seeded.admit("liar", 1, "gradient", 4, gradient_rows(32, wrong=2, scale=5.0))
+
+
+def test_a_short_batchs_gradient_rows_are_compared_as_a_full_batchs():
+    guard = TrunkGuard(GuardConfig(seed_factor=1.5))
+    guard.seed("gradient", 4, gradient_rows(256, wrong=8) * 256 / 32)
+    for _ in range(8):
+        guard.admit("honest", 1, "gradient", 4, gradient_rows(32, wrong=2))
+    guard.admit("honest", 1, "gradient", 4, gradient_rows(8, wrong=2))  # rows 4x, over 8 rows
+    with pytest.raises(Exception, match="beyond the bound"):
+        guard.admit("liar", 1, "gradient", 4, gradient_rows(32, wrong=2, scale=4.0))
+
+
+# --- the loss check: a step far outside the recent range is not applied --------------------
+
+@functools.cache
+def digits_batches(batch: int = 32) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                           tuple[torch.Tensor, torch.Tensor]]:
+    """scikit-learn's digits: training batches and a held-out split (the last 297)."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(data.target)
+    train = [(x[i:i + batch], y[i:i + batch]) for i in range(0, 1500 - batch + 1, batch)]
+    return train, (x[1500:], y[1500:])
+
+
+def trunk_accuracy(side, bottom, test) -> float:
+    x, y = test
+    with torch.no_grad():
+        logits = side.trunk.run(bottom(x), CUT)
+    return float((logits.argmax(dim=1) == y).float().mean())
+
+
+def label_flipping_attack(guard: GuardConfig):
+    """Honest training on digits, then a persistent liar sending flipped labels."""
+    from server.sessions.split import admit, train_on_batch
+
+    torch.manual_seed(0)
+    dataplane = DataPlaneConfig(max_frame_bytes=1 << 22, guard=guard)
+    side = build_trunk_side(digits_like_model("cnn"), SplitFedV2Options(lr=0.05, momentum=0.9),
+                            dataplane)
+    bottom = split(digits_like_model("cnn"), CUT)[0].requires_grad_(False)
+    train, test = digits_batches()
+    for _ in range(5):  # what an honest split session does per frame, without the wire
+        for x, y in train:
+            acts = bottom(x)
+            admit(side.trunk, "honest", 1, "activations", CUT, acts)
+            train_on_batch(side.trunk, CUT, acts, y)
+    before = trunk_accuracy(side, bottom, test)
+    weights = copy.deepcopy(side.trunk.model.state_dict())
+    token = side.tokens.issue(client="liar", protocol="splitfed_v2", cut=CUT, server_round=1,
+                              ttl_s=60)
+    liar = TrunkChannel(InProcessTransport(side.endpoint, token))
+    refusals = []
+    for x, y in train[:20]:
+        try:
+            liar.forward(bottom(x), 9 - y)
+        except TrunkRejected as err:
+            refusals.append(err.reason)
+    return side, before, trunk_accuracy(side, bottom, test), weights, refusals
+
+
+def test_a_label_flipping_device_is_refused_for_its_loss_and_quarantined():
+    side, before, after, weights, refusals = label_flipping_attack(GuardConfig())
+    assert before > 0.7
+    assert refusals == ["OUT_OF_RANGE", "OUT_OF_RANGE"] + ["QUARANTINED"] * 18
+    assert after == before  # no flipped batch reached the weights
+    assert all(torch.equal(v, weights[k]) for k, v in side.trunk.model.state_dict().items())
+    books = side.trunk.guard.take_books()
+    assert books["guard_loss_refused"] == 2 and books["guard_quarantined"] == 1
+
+
+def test_without_the_loss_check_flipped_labels_wreck_the_trunk():
+    """The reference the check exists for: the same attack with every other bound on."""
+    _, before, after, _, refusals = label_flipping_attack(GuardConfig(loss_factor=0))
+    assert refusals == []
+    assert after < before - 0.3, (before, after)
+
+
+def test_the_loss_check_charges_the_sender_of_the_rows_the_step_trains_on():
+    guard = TrunkGuard(GuardConfig(min_rows=4, min_steps=4))
+    rows = honest_rows(8)
+    guard.admit("alice", 2, "activations", CUT, rows)
+    assert guard.sender_of(rows.detach().requires_grad_(True)) == ("alice", 2)  # a view
+    assert guard.sender_of(torch.cat([rows, rows])) is None  # several frames together
+    assert guard.sender_of(rows.clone()) is None
+    for _ in range(4):
+        guard.check_loss(0.1, CUT, classes=10, rows=rows)
+    with pytest.raises(Exception, match="loss 5 .* beyond the bound 2.303") as refused:
+        guard.check_loss(5.0, CUT, classes=10, rows=rows)
+    assert refused.value.reason_name == "OUT_OF_RANGE"
+    guard.check_loss(5.0, CUT, classes=10, rows=torch.cat([rows, rows]))  # not one sender's
+    guard.check_loss(float("nan"), CUT, classes=10, rows=rows)  # the finite check's
+    assert guard.take_books()["guard_loss_refused"] == 1
+
+
+# --- batch_concurrent: a poisoned batch does not take honest rows with it -------------------
+
+def batching_side():
+    from server.sessions.split import BatchingSplitSession, SharedTrunk
+    from server.trunk import Trunk
+    from splitlearn.dataplane import Session, SessionGrant
+
+    model = digits_like_model("cnn")
+    trunk = Trunk(model, lr=0.05, guard=TrunkGuard(GuardConfig()))
+    bottom = split(digits_like_model("cnn"), CUT)[0].requires_grad_(False)
+    x, y = digits_batches()[0][0]
+    trunk.guard.seed("activations", CUT, bottom(x))
+    handler = BatchingSplitSession(SharedTrunk(trunk), dataplane=DataPlaneConfig(),
+                                   timeout_s=0.2)
+    sessions = [Session(f"token-{c}", SessionGrant(c, "splitfed_v2", CUT, 1, math.inf))
+                for c in ("honest", "liar")]
+    for session in sessions:
+        handler.attach(session)
+    return trunk, bottom, handler, sessions
+
+
+def in_parallel(handler, sessions, batches) -> list[object]:
+    from splitlearn.dataplane import FrameError
+    from splitlearn.dataplane import trunk_pb2 as pb
+    from splitlearn.dataplane.codec import encode_tensor
+
+    outcomes: list[object] = [None, None]
+
+    def client(i: int) -> None:
+        acts, labels = batches[i]
+        request = pb.Request(seq=1, forward=pb.Forward(
+            activations=encode_tensor(acts).to_proto(), labels=encode_tensor(labels).to_proto()))
+        try:
+            outcomes[i] = handler.handle(sessions[i], request)
+        except FrameError as err:
+            outcomes[i] = err.reason_name
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return outcomes
+
+
+def test_batch_concurrent_refuses_only_the_poisoned_slot():
+    trunk, bottom, handler, sessions = batching_side()
+    (x, y), (x2, y2) = digits_batches()[0][1:3]
+    honest = bottom(x)
+    reference = copy.deepcopy(trunk.model)
+    outcomes = in_parallel(handler, sessions, [(honest, y), (torch.full_like(bottom(x2), 1e6), y2)])
+    assert outcomes[1] == "OUT_OF_RANGE"
+    assert outcomes[0].WhichOneof("kind") == "gradient"  # stepped on its own rows alone
+    torch.nn.functional.cross_entropy(torch.nn.Sequential(*reference.stages[CUT:])(honest),
+                                      y).backward()
+    with torch.no_grad():  # plain SGD (torch.optim's first optimiser imports the compiler: 5 s)
+        for param in reference.parameters():
+            if param.grad is not None:
+                param -= 0.05 * param.grad
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in
+               zip(trunk.model.parameters(), reference.parameters(), strict=True))
+
+
+def test_batch_concurrent_does_not_refuse_a_union_for_its_loss():
+    """A union's loss mixes honest and poisoned rows: refusing it would refuse honest ones
+    (the limit the guard's docstring states)."""
+    from server.sessions.split import admit, train_on_batch
+
+    trunk, bottom, handler, sessions = batching_side()
+    batches = digits_batches()[0]
+    for x, y in batches[1:25]:  # warm the loss statistics up with single-device steps
+        acts = bottom(x)
+        admit(trunk, "honest", 1, "activations", CUT, acts)
+        train_on_batch(trunk, CUT, acts, y)
+    (x, y), (x2, y2) = batches[25:27]
+    outcomes = in_parallel(handler, sessions, [(bottom(x), y), (bottom(x2), 9 - y2)])
+    assert [o.WhichOneof("kind") for o in outcomes] == ["gradient", "gradient"]
+
+
+def test_local_loss_queued_batches_are_checked_and_their_sender_quarantined():
+    """Local loss trains queued batches on a worker thread, long after their frame was
+    acknowledged: the loss check still charges the device that sent them."""
+    from server.sessions.local_loss import SmashedSession
+    from server.sessions.split import SharedTrunk, admit, train_on_batch
+    from server.trunk import Trunk
+    from splitlearn.dataplane import FrameError, Session, SessionGrant
+    from splitlearn.dataplane import trunk_pb2 as pb
+    from splitlearn.dataplane.codec import encode_tensor
+
+    trunk = Trunk(digits_like_model("cnn"), lr=0.05, momentum=0.9,
+                  guard=TrunkGuard(GuardConfig()))
+    bottom = split(digits_like_model("cnn"), CUT)[0].requires_grad_(False)
+    train, _ = digits_batches()
+    for _ in range(5):
+        for x, y in train:
+            acts = bottom(x)
+            admit(trunk, "honest", 1, "activations", CUT, acts)
+            train_on_batch(trunk, CUT, acts, y)
+    weights = copy.deepcopy(trunk.model.state_dict())
+    handler = SmashedSession(SharedTrunk(trunk), dataplane=DataPlaneConfig(),
+                             max_queue_bytes=1 << 24)
+    liar = Session("token-liar", SessionGrant("liar", "local_loss", CUT, 1, math.inf))
+    refusals = []
+    for seq, (x, y) in enumerate(train[:6], start=1):
+        request = pb.Request(seq=seq, smashed=pb.Smashed(
+            activations=encode_tensor(bottom(x)).to_proto(),
+            labels=encode_tensor(9 - y).to_proto()))
+        try:
+            handler.handle(liar, request)
+        except FrameError as err:
+            refusals.append(err.reason_name)
+        handler.finish_round(["liar"])  # drains the queue: the worker trains (or refuses) it
+    assert handler.errors == 2 and refusals == ["QUARANTINED"] * 4
+    assert all(torch.equal(v, weights[k]) for k, v in trunk.model.state_dict().items())
+
+
+def test_a_round_whose_model_moved_far_restarts_the_loss_statistics_from_the_servers_own():
+    """After an average of poisoned copies every device's loss is high: the recent median
+    alone would refuse all of them from then on (measured: a x1000 device's average left
+    every device refused in round 2). The held-out losses through the round's model, far
+    beyond the bound, restart the statistics; ordinary ones leave them."""
+    guard = TrunkGuard(GuardConfig(min_steps=4))
+    rows = honest_rows(8)
+    guard.admit("honest", 1, "activations", CUT, rows)
+    for _ in range(8):
+        guard.check_loss(0.1, CUT, classes=10, rows=rows)
+    guard.seed("loss", CUT, torch.full((8,), 0.15))  # an ordinary round: nothing changes
+    with pytest.raises(Exception, match="beyond the bound 2.303"):
+        guard.check_loss(5.0, CUT, classes=10, rows=rows)
+    guard.seed("loss", CUT, torch.tensor([28.0, 30.0, 31.0, 35.0]))
+    guard.check_loss(33.0, CUT, classes=10, rows=rows)  # the model, not the device
+    with pytest.raises(Exception, match="beyond the bound"):
+        guard.check_loss(1000.0, CUT, classes=10, rows=rows)
