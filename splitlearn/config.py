@@ -172,7 +172,9 @@ class GuardConfig:
     # One device's batch is refused before its update is applied when its mean loss is
     # beyond max(chance level ln C, loss_factor x the median of its cut's recent batch
     # losses) (0: not checked). Honest batches measured up to 4.9x the median (label skew,
-    # Dirichlet 0.1) and under ln C once the median is; label-flipped ones at 10-200x.
+    # Dirichlet 0.1) and under ln C once the median is; label-flipped ones at 10-200x. Not
+    # checked when devices release noised activations (privacy=activation_gaussian): noise
+    # makes an honest device's loss as large as its own sigma makes it.
     loss_factor: float = 6.0
 
     def __post_init__(self) -> None:
