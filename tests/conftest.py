@@ -178,16 +178,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 #: Under ``--dist loadgroup`` (the serial tests' command, ``-n 3``) the serial tests run
 #: in three xdist lanes, each test one at a time within its lane: the files named here in
-#: the lane they name, every other file in the ``shared`` lane. The deployment tests (the
-#: docs' walk-throughs, and vanishing devices with a resumed ServerApp) mostly wait on
-#: Flower's polls and heartbeats and start no Ray, so they run beside the Simulation
-#: Engine's tests. The lanes are balanced by measured time (a clean-clone CI here,
-#: 2026-12-05): deployment 633 s, the docs' deployments 530 s, the shared lane 957 s with
-#: every other test in it; moving the Ray cluster and `flwr run` tests out of it evens them.
-#: Measured and left: the serial tests alone keep 0.7 of the 2 cores busy, yet beside the
-#: other integration tests (one run on three workers) they took 2-4 times as long and the
-#: whole no less time (701 s against 714 s), and the deployment test in the other phase cost
-#: that phase 123 s to save this one 118 s.
+#: the lane they name, every other file in the ``shared`` lane. The lanes are balanced by
+#: CPU, which bounds the phase (each test alone in a cgroup, 2026-12-05): deployment = the
+#: TLS deployment 327 CPU-s + the Ray cluster 82; docs = the how-to 160 + the
+#: connect-a-device tutorial 110 + flwr run ~130; shared = the tutorials 319. In a clean-clone
+#: CI the phase took 10.1 min.
 LANES = {
     "tests/integration/test_deployment.py": "deployment",
     "tests/integration/test_ray_cluster.py": "deployment",

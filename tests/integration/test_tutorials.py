@@ -100,7 +100,7 @@ def run_steps(steps: list[Step], folder: Path) -> str:
             (folder / step.path).write_text(step.text)
             continue
         proc = subprocess.run(["bash", "-eo", "pipefail", "-c", step.text], cwd=folder, env=env,
-                              capture_output=True, text=True, timeout=420)
+                              capture_output=True, text=True, timeout=560)
         printed.append(proc.stdout + proc.stderr)
         assert proc.returncode == 0, (
             f"tutorial command failed ({proc.returncode}):\n{step.text}\n"
