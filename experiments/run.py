@@ -28,8 +28,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-# Flower and flwr-datasets read this at import; runs here must not phone home.
+# Flower and flwr-datasets read this at import; runs here must not phone home. Ray's usage
+# reports also cost every run a process of their own.
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
@@ -110,11 +112,13 @@ def start_ray(init_args: dict[str, Any], *, attempts: int = 3) -> None:
                 # A tip about GPUs in a later Ray; the ClientApps' actors ask for none.
                 warnings.filterwarnings("ignore", "Tip: In future versions of Ray",
                                         FutureWarning)
-                ray.init(
+                context = ray.init(
                     runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
                     include_dashboard=False,
                     **init_args,
                 )
+            # Where to look when a ClientApp seems stuck (its worker's logs are there).
+            log.info("Ray's logs: %s", os.path.join(context.address_info["session_dir"], "logs"))
             return
         except Exception as err:  # Ray raises plain Exception on start-up timeouts
             log.warning("Ray did not start (attempt %d of %d): %s", attempt, attempts, err)

@@ -9,11 +9,10 @@ from __future__ import annotations
 import csv
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests.processes import run_or_report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,21 +26,9 @@ def run_experiment(tmp_path: Path, *overrides: str) -> Path:
         "WANDB_DATA_DIR": str(tmp_path / "wandb-data"),
         "WANDB_API_KEY": "",
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "experiments.run", f"hydra.run.dir={run_dir}", *overrides],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        # A stuck run says where it is stuck: its threads' stacks (experiments.run dumps
-        # them on SIGUSR1) and the ClientApps' last words, which Ray forwards to stderr.
-        proc.send_signal(signal.SIGUSR1)
-        time.sleep(2.0)
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"the run did not finish in 400 s\n--- stdout\n{stdout[-4000:]}"
-                             f"\n--- stderr\n{stderr[-12000:]}") from None
+    proc = run_or_report([sys.executable, "-m", "experiments.run", f"hydra.run.dir={run_dir}",
+                          *overrides], timeout_s=400, cwd=ROOT, env=env)
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
     assert "[round   2/" in stdout  # progress is shown per round
     (tmp_path / "console.txt").write_text(stdout + stderr)  # beside the run folder

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import pytest
 
 from benchmarks.rounds import PARTS, clients_in_parallel, round_budget
 from tests.integration.test_simulation import read_clients
+from tests.processes import run_or_report
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS = ROOT / "docs" / "tutorials"
@@ -99,8 +99,8 @@ def run_steps(steps: list[Step], folder: Path) -> str:
         if step.kind == "file":
             (folder / step.path).write_text(step.text)
             continue
-        proc = subprocess.run(["bash", "-eo", "pipefail", "-c", step.text], cwd=folder, env=env,
-                              capture_output=True, text=True, timeout=560)
+        proc = run_or_report(["bash", "-eo", "pipefail", "-c", step.text], cwd=folder, env=env,
+                             timeout_s=560)
         printed.append(proc.stdout + proc.stderr)
         assert proc.returncode == 0, (
             f"tutorial command failed ({proc.returncode}):\n{step.text}\n"
