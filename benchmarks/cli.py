@@ -19,7 +19,7 @@
     the virtual clock's prediction, on ``+scenario=heterogeneous``.
 
 ``memory``
-    Measured peak training memory of the client side at every cut (checkpointed)
+    Measured peak training memory of the client side at every cut (recomputed)
     against the whole model on the device: ResNet-18 at 32x32, batch 32.
 
 ``rounds``
@@ -191,7 +191,7 @@ def bench_memory(overrides: Sequence[str]) -> float:
     """Measured client memory at each cut vs training the whole model; return the best ratio.
 
     ResNet-18 at 32x32 (CIFAR-shaped, 10 classes), batch 32 by default; the
-    client side checkpointed (its last stage plain), measured by
+    client side with activation recomputation (its last stage plain), measured by
     :class:`clients.memory.MemoryMeter` on one SGD step with momentum.
     """
     from clients.memory import memory_saving_ratio
@@ -207,7 +207,7 @@ def bench_memory(overrides: Sequence[str]) -> float:
         row = memory_saving_ratio(model, cut, batch_size=batch)
         ratios[cut] = row["ratio"]
         print(f"cut {cut}: whole model {row['whole_bytes'] / 2**20:7.1f} MiB, client "
-              f"checkpointed {row['client_bytes'] / 2**20:6.1f} MiB ({row['ratio']:5.1f}x), "
+              f"recomputed {row['client_bytes'] / 2**20:6.1f} MiB ({row['ratio']:5.1f}x), "
               f"plain {row['client_plain_bytes'] / 2**20:6.1f} MiB ({row['plain_ratio']:5.1f}x)",
               flush=True)
     best = max(ratios, key=ratios.get)  # type: ignore[arg-type]

@@ -286,7 +286,7 @@ def train_client(overrides: Sequence[str], *, token_file: Path, partition: int,
     spec = run_spec(cfg, host_flops_per_s=0.0)
     torch.set_num_threads(spec.torch_threads)
     model = build_model_from_config(spec.model, spec.dataset)
-    step = protocol_named(cfg.strategy.name).client(model, spec, cut=1, checkpoint=False)
+    step = protocol_named(cfg.strategy.name).client(model, spec, cut=1, recompute=False)
     data = client_dataset(spec.dataset, spec.partitioner, seed=spec.seed,
                           partition_id=partition, num_partitions=partitions)
     loader = epoch_loader(data, spec, server_round=1, partition_id=partition)

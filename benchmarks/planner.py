@@ -49,7 +49,7 @@ PLANNER_DEFAULTS = (
 )
 SCENARIOS = ("heterogeneous", "dynamic")
 PLANNERS = ("greedy", "dynsl", "smartsplit")
-#: SmartSplit's cuts and checkpointing with a random choice among the feasible devices: what
+#: SmartSplit's cuts and recomputation with a random choice among the feasible devices: what
 #: its selection is worth at equal virtual time (not one of the planners compared above).
 RANDOM_SELECTION = "smartsplit-random"
 
@@ -195,8 +195,8 @@ def check_solver(*, instances: int = 200, seed: int = 0) -> dict:
     worst_gap = 0.0
     for i in range(instances):
         clients, cuts, trunk = random_instance(1 + i % 6, 1 + (i // 6) % 6, seed=seed + i)
-        exact = solve(clients, cuts, trunk_flops_per_s=trunk, allow_checkpoint=False)
-        brute = brute_force(clients, cuts, trunk_flops_per_s=trunk, allow_checkpoint=False)
+        exact = solve(clients, cuts, trunk_flops_per_s=trunk, allow_recompute=False)
+        brute = brute_force(clients, cuts, trunk_flops_per_s=trunk, allow_recompute=False)
         if brute.makespan_s > 0:
             worst_gap = max(worst_gap, exact.makespan_s / brute.makespan_s - 1.0)
     return {"instances": instances, "worst_gap_vs_brute_force": worst_gap,

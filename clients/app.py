@@ -68,6 +68,7 @@ from splitlearn.dataplane.node_keys import (
 )
 from splitlearn.messages import (
     DECLARED_PROFILE_RECORD,
+    RECOMPUTE_KEY,
     ROUND_KEY,
     SPEC_KEY,
     STATUS_KEY,
@@ -144,7 +145,7 @@ class ClientRound:
     spec: RunSpec
     server_round: int
     cut: int
-    checkpoint: bool
+    recompute: bool
     token: str
     trunk_address: str
     partition_id: int
@@ -177,7 +178,7 @@ class ClientRound:
         spec = with_device_privacy(spec, declared, **partition)
         return cls(
             protocol, trunk_trust(spec, node, address=address),
-            int(data["server_round"]), int(data["cut"]), bool(data.get("checkpoint", False)),
+            int(data["server_round"]), int(data["cut"]), bool(data.get(RECOMPUTE_KEY, False)),
             str(data.get("token", "")), address, **partition, declared=declared,
             data_path=str(node[DATA_KEY]) if node.get(DATA_KEY) else None,
             cache_dir=str(node[CACHE_KEY]) if node.get(CACHE_KEY) else None,
@@ -199,8 +200,8 @@ class ClientRound:
         or the device refuses the round (DeviceFailure naming the option).
         """
         model = build_model_from_config(self.spec.model, self.spec.dataset)
-        client = client_step_type(self.protocol, self.spec, checkpoint=self.checkpoint)
-        step = client(model, self.spec, cut=self.cut, checkpoint=self.checkpoint)
+        client = client_step_type(self.protocol, self.spec, recompute=self.recompute)
+        step = client(model, self.spec, cut=self.cut, recompute=self.recompute)
         step.load(record_to_state(arrays))
         return step
 
@@ -479,7 +480,7 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     kept = step.kept_bytes(examples, spec.compression)  # references, batches kept: all round
     plan.check_memory(memory + kept, what=f"{rnd.protocol.name} at cut {rnd.cut}, batch "
                       f"{spec.strategy.batch_size}"
-                      + (" with checkpointing" if rnd.checkpoint else "")
+                      + (" with recomputation" if rnd.recompute else "")
                       + (" and the rows it keeps" if kept else ""),
                       examples=examples)
     privacy = make_client_privacy(spec.privacy, loader)
@@ -613,7 +614,7 @@ def _train_metrics(rnd: ClientRound, plan: DevicePlan, report: TrainReport, memo
                           host_flops_per_s=rnd.spec.devices.host_flops_at(rnd.cut))
              if plan.emulated else measured_time(work, wall_s=report.wall_s))
     return MetricRecord({
-        "partition-id": rnd.partition_id, "cut": rnd.cut, "checkpoint": int(rnd.checkpoint),
+        "partition-id": rnd.partition_id, "cut": rnd.cut, RECOMPUTE_KEY: int(rnd.recompute),
         "virtual-s": vtime.total_s, "virtual-compute-s": vtime.compute_s,
         "virtual-upload-s": vtime.upload_s, "virtual-download-s": vtime.download_s,
         "virtual-latency-s": vtime.latency_s, "memory-bytes": memory,

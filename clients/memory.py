@@ -6,10 +6,10 @@ says it holds (the activations at the cut, kept until sent), and adds the
 parameters, their gradients and the optimiser's state. Each saved tensor is
 counted by its storage, once however many views of it are saved, and only while
 that storage is alive: a weak-reference callback on the storage takes it off the
-count when autograd (or anyone) lets go of it. So an activation that checkpointing
-frees after the forward and recomputes during backward is counted at the moment
-it really lives, and the meter's peak is the most that was alive at once rather
-than a sum over the batch.
+count when autograd (or anyone) lets go of it. So an activation that recomputation
+(:mod:`clients.recompute`) frees after the forward and rebuilds during backward is
+counted at the moment it really lives, and the meter's peak is the most that was
+alive at once rather than a sum over the batch.
 
 What it leaves out: parameters and buffers that layers save (they are counted
 once as parameters; buffers not at all, like the estimate), and temporaries that
@@ -19,7 +19,7 @@ flowing backward). It is the measured counterpart of
 resident memory.
 
 :func:`memory_saving_ratio` uses it to compare training the whole model on the
-device with training only the client's stages, checkpointed.
+device with training only the client's stages, recomputed.
 """
 
 from __future__ import annotations
@@ -149,12 +149,12 @@ class MemoryMeter:
     def observing(self) -> AbstractContextManager[None]:
         """Also watch tensors saved under whatever saved-tensor hooks are active now.
 
-        Checkpointing recomputes a stage's activations under its own hooks, which
+        PyTorch recomputes a stage's activations under its own hooks, which
         hide them from the meter's; entered inside that recomputation, this wraps
         the current hooks so the recomputed tensors are counted too.
         """
         if not self._active or _top_saved_tensor_hooks is None:
-            # Without the getter the new pair would replace checkpointing's own
+            # Without the getter the new pair would replace PyTorch's own
             # and break it; the recomputed tensors then go uncounted instead.
             return nullcontext()
         return _observed_saved_tensors(self.watch)
@@ -192,13 +192,13 @@ def parameter_state_bytes(
 def memory_saving_ratio(
     model: SplittableModel, cut: int, *, batch_size: int, seed: int = 0
 ) -> dict[str, float]:
-    """Measured memory of training the whole model vs the checkpointed client side.
+    """Measured memory of training the whole model vs the recomputed client side.
 
     Each figure is the peak of one SGD step with momentum on a random batch,
     measured with :class:`MemoryMeter` after a warm-up step (which creates the
     gradients and momentum the steady state holds): the whole model plainly,
     with cross-entropy; the client's stages ``[0, cut)`` as a split step trains
-    them with checkpointing (every stage checkpointed, a
+    them with recomputation (every stage recomputed, a
     :class:`~splitlearn.models.lean.MaskReLU` at the cut, the output dropped
     once sent), and for reference plainly, back-propagating a random gradient
     at the cut (the trunk's reply). ``model`` is not modified.
@@ -217,7 +217,7 @@ def memory_saving_ratio(
     Returns
     -------
     dict[str, float]
-        ``cut``; peak bytes ``whole_bytes``, ``client_bytes`` (checkpointed) and
+        ``cut``; peak bytes ``whole_bytes``, ``client_bytes`` (recomputed) and
         ``client_plain_bytes``; ``ratio`` (``whole_bytes / client_bytes``) and
         ``plain_ratio`` (``whole_bytes / client_plain_bytes``).
     """
@@ -233,13 +233,13 @@ def memory_saving_ratio(
     def cut_gradient(activations: Tensor) -> tuple[Tensor, Tensor]:
         return activations, grad
 
-    whole = _measure_steps(copy.deepcopy(model).stages, whole_loss, inputs, checkpoint=False)
+    whole = _measure_steps(copy.deepcopy(model).stages, whole_loss, inputs, recompute=False)
     lean = copy.deepcopy(model)
-    mask_cut_relu(lean, cut)  # as the split step does when it checkpoints
-    client = _measure_steps(lean.stages[:cut], cut_gradient, inputs, checkpoint=True,
+    mask_cut_relu(lean, cut)  # as the split step does when it recomputes
+    client = _measure_steps(lean.stages[:cut], cut_gradient, inputs, recompute=True,
                             frees_output=True)
     plain = _measure_steps(copy.deepcopy(model).stages[:cut], cut_gradient, inputs,
-                           checkpoint=False)
+                           recompute=False)
     return {"cut": float(cut), "whole_bytes": float(whole), "client_bytes": float(client),
             "client_plain_bytes": float(plain), "ratio": whole / client,
             "plain_ratio": whole / plain}
@@ -250,13 +250,13 @@ _Backward = Callable[[Tensor], tuple[Tensor, Tensor | None]]
 
 
 def _measure_steps(
-    stages: nn.ModuleList, backward: _Backward, inputs: Tensor, *, checkpoint: bool,
+    stages: nn.ModuleList, backward: _Backward, inputs: Tensor, *, recompute: bool,
     frees_output: bool = False,
 ) -> int:
     """Peak bytes of the second of two SGD steps (the first creates grads and momentum).
 
     ``frees_output``: as a split step, drop the output (sent by then) before the
-    backward, and checkpoint the last stage too.
+    backward, and recompute the last stage too.
     """
     stages.train()
     optimizer = torch.optim.SGD(stages.parameters(), lr=0.01, momentum=0.9)
@@ -264,8 +264,8 @@ def _measure_steps(
     for _ in range(2):
         meter = MemoryMeter(stages, optimizer)
         with meter:
-            out = run_stages(stages, inputs, checkpoint=checkpoint,
-                             checkpoint_output=frees_output, recompute_context=meter.observing)
+            out = run_stages(stages, inputs, recompute=recompute,
+                             recompute_output=frees_output, recompute_context=meter.observing)
             meter.watch(out)
             optimizer.zero_grad(set_to_none=True)
             start, grad = backward(out)
@@ -286,7 +286,7 @@ def _observed_saved_tensors(watch: Callable[[Tensor], None]) -> Iterator[None]:
     """Saved-tensor hooks that call ``watch`` on each saved tensor, then defer.
 
     Only the innermost pair of saved-tensor hooks applies, so when a pair is
-    already active (checkpointing's recomputation) the new pair calls it rather
+    already active (PyTorch's recomputation) the new pair calls it rather
     than replacing it; otherwise it saves a detached alias (the documented way
     to avoid a reference cycle through the saved output's ``grad_fn``).
     """

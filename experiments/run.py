@@ -38,6 +38,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from protocols import check_config, register_configs  # noqa: E402
+from splitlearn.config import check_overrides  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -159,5 +160,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    try:  # Hydra would refuse a renamed key without naming the new one
+        check_overrides(arg for arg in sys.argv[1:] if not arg.startswith("-"))
+    except ValueError as err:
+        sys.exit(f"error: {err}")
     register_configs()
     main()

@@ -172,7 +172,7 @@ def check_client_runtime(config: Config, protocol: Protocol, model: SplittableMo
     """Refuse ``devices.runtime=executorch`` where the exported program cannot train (ValueError).
 
     The program is the split step's device side (protocols whose capabilities list the
-    runtime), without privacy, checkpointing or buffers (:mod:`splitlearn.runtimes`),
+    runtime), without privacy, activation recomputation or buffers (:mod:`splitlearn.runtimes`),
     checked at every cut in play.
     """
     if config.devices.runtime == "eager":
@@ -180,9 +180,9 @@ def check_client_runtime(config: Config, protocol: Protocol, model: SplittableMo
     from splitlearn.runtimes import bottom_refusal, executorch_refusal
     from splitlearn.stages import split
 
-    checkpoint = config.planner.adaptive and config.planner.checkpointing
+    recompute = config.planner.adaptive and config.planner.recompute
     refusal = (runtime_refusal(protocol, config.devices.runtime)
-               or executorch_refusal(config.privacy, checkpoint=checkpoint))
+               or executorch_refusal(config.privacy, recompute=recompute))
     if refusal is not None:
         raise ValueError(refusal)
     for cut in cuts_in_play(config, model):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from protocols.registry import PROTOCOLS
-from splitlearn.config import CONF_DIR, Config, check_keys
+from splitlearn.config import CONF_DIR, Config, check_keys, check_overrides
 
 
 def register_configs() -> None:
@@ -28,8 +28,10 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
     """
     from hydra import compose, initialize_config_dir
 
+    overrides = list(overrides or [])
+    check_overrides(overrides)  # Hydra would refuse a renamed key without naming the new one
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides or []))
+        cfg = compose(config_name="config", overrides=overrides)
     check_keys(cfg)  # a key added with ``+`` passes Hydra's struct mode
     return cfg

@@ -6,7 +6,7 @@ the workload clients actually run (the client-side stages at the configured
 cut and batch size), with the same thread count, not taken from a datasheet.
 
 :func:`client_train_memory_bytes` estimates a client's training memory, with or
-without activation checkpointing, from the stages' reported costs;
+without activation recomputation, from the stages' reported costs;
 :func:`cut_costs` turns those costs into the planner's per-cut table
 (:class:`splitlearn.planning.cost.CutCost`).
 """
@@ -43,7 +43,7 @@ def client_train_flops_per_sample(model: SplittableModel, cut: int) -> int:
 
 
 def client_train_memory_bytes(
-    model: SplittableModel, cut: int, *, batch_size: int, checkpoint: bool = False,
+    model: SplittableModel, cut: int, *, batch_size: int, recompute: bool = False,
     frees_output: bool = False,
 ) -> int:
     """Estimated training memory of stages ``[0, cut)`` for one batch, in bytes.
@@ -54,7 +54,7 @@ def client_train_memory_bytes(
     * plain: what autograd saves for backward plus the output at the cut,
       :func:`~splitlearn.models.base.segment_memory_bytes_per_sample` (a
       boundary tensor both neighbours save is counted once);
-    * ``checkpoint``: every stage but the last runs under a checkpoint, so the
+    * ``recompute``: every stage but the last is recomputed in backward, so the
       forward keeps only their boundaries: the input of each (the batch itself
       for stage 0), plus the last stage's saved tensors and the output at the
       cut. Backward runs the last stage first, then rebuilds one stage at a
@@ -63,8 +63,8 @@ def client_train_memory_bytes(
       ends) and stage ``i``'s own saved tensors (its input excluded, being a
       boundary already); the inputs of later stages were freed when their
       backward finished. The estimate is the largest of these moments;
-    * ``checkpoint`` and ``frees_output`` (a step that drops the output at the
-      cut once it is sent, before the backward): the last stage is checkpointed
+    * ``recompute`` and ``frees_output`` (a step that drops the output at the
+      cut once it is sent, before the backward): the last stage is recomputed
       too, with a :class:`~splitlearn.models.lean.MaskReLU` at the cut. The
       forward ends holding every stage's input and the output; after the
       exchange the output is gone and backward rebuilds each stage in turn,
@@ -88,11 +88,11 @@ def client_train_memory_bytes(
         Stages ``[0, cut)`` are trained; ``model.num_stages`` means the whole model.
     batch_size : int
         Samples per batch.
-    checkpoint : bool, optional
-        Per-stage activation checkpointing.
+    recompute : bool, optional
+        Per-stage activation recomputation (:mod:`clients.recompute`).
     frees_output : bool, optional
-        With ``checkpoint``: the step frees the output at the cut once sent
-        (the split steps do), so the last stage is checkpointed too.
+        With ``recompute``: the step frees the output at the cut once sent
+        (the split steps do), so the last stage is recomputed too.
 
     Returns
     -------
@@ -104,10 +104,10 @@ def client_train_memory_bytes(
     ValueError
         If ``cut`` is not in ``1 .. model.num_stages``.
     """
-    lean = checkpoint and frees_output
+    lean = recompute and frees_output
     costs = _client_costs(model, cut, lean_last=lean)
-    return _train_memory_bytes(model, costs, batch_size=batch_size, checkpoint=checkpoint,
-                               output_checkpointed=lean)
+    return _train_memory_bytes(model, costs, batch_size=batch_size, recompute=recompute,
+                               output_recomputed=lean)
 
 
 def cross_entropy_memory_bytes(num_classes: int, *, batch_size: int) -> int:
@@ -139,7 +139,7 @@ def cut_costs(
         loss, the trunk only ``[cut, tail_cut)``; only cuts below it are listed.
     frees_output : bool, optional
         The protocol's step drops the output at the cut once sent (see
-        :func:`client_train_memory_bytes`): checkpointing then rebuilds the
+        :func:`client_train_memory_bytes`): recomputation then rebuilds the
         last stage too.
 
     Returns
@@ -147,7 +147,7 @@ def cut_costs(
     list[CutCost]
         In cut order. Client FLOPs are 3 forwards of ``[0, c)`` (plus the tail),
         recomputation one more forward of ``[0, c)`` with ``frees_output``, else
-        of ``[0, c - 1)`` (the last stage is not checkpointed), the trunk's 3
+        of ``[0, c - 1)`` (the last stage is not recomputed), the trunk's 3
         forwards of ``[c, n)`` (or of ``[c, tail_cut)``); smashed bytes are stage
         ``c - 1``'s output (float32; plus the features at the tail cut, which
         come down as the activations go up, and whose gradient goes up as the
@@ -174,13 +174,13 @@ def _cut_cost(
     """Build one row of :func:`cut_costs`.
 
     ``lean`` (the stages with a masked ReLU at the cut) is given when the step
-    frees its output, so that checkpointing also rebuilds the last stage.
+    frees its output, so that recomputation also rebuilds the last stage.
     """
     client, server = costs[:cut], costs[cut:]
     forward = sum(c.flops_per_sample for c in client)
     rebuilt_stages = client if lean is not None else client[:-1]
     rebuilt = sum(c.flops_per_sample for c in rebuilt_stages)
-    checkpointed = client if lean is None else [*client[:-1], lean[cut - 1]]
+    recomputed = client if lean is None else [*client[:-1], lean[cut - 1]]
     params = sum(c.params for c in client)
     return CutCost(
         cut=cut,
@@ -192,9 +192,9 @@ def _cut_cost(
         smashed_bytes_per_sample=client[-1].activation_bytes_per_sample,
         client_param_bytes=FLOAT32_BYTES * params,
         memory_bytes=_train_memory_bytes(model, client, batch_size=batch_size),
-        checkpointed_memory_bytes=_train_memory_bytes(
-            model, checkpointed, batch_size=batch_size, checkpoint=True,
-            output_checkpointed=lean is not None,
+        recompute_memory_bytes=_train_memory_bytes(
+            model, recomputed, batch_size=batch_size, recompute=True,
+            output_recomputed=lean is not None,
         ),
         leak=leak,
     )
@@ -214,7 +214,7 @@ def _with_tail(model: SplittableModel, cost: CutCost, costs: list[StageCost], ta
         + costs[tail_cut - 1].activation_bytes_per_sample,
         client_param_bytes=cost.client_param_bytes + FLOAT32_BYTES * sum(c.params for c in tail),
         memory_bytes=cost.memory_bytes + tail_memory,
-        checkpointed_memory_bytes=cost.checkpointed_memory_bytes + tail_memory,
+        recompute_memory_bytes=cost.recompute_memory_bytes + tail_memory,
         exchanges_per_batch=2,
     )
 
@@ -246,7 +246,7 @@ def tail_train_memory_bytes(model: SplittableModel, tail_cut: int, *, batch_size
     """Estimated training memory of a U-shaped tail ``[tail_cut, n)`` for one batch, in bytes.
 
     Its saved activations plus its parameters, their gradients and one momentum
-    buffer (float32); the tail is never checkpointed.
+    buffer (float32); the tail is never recomputed.
     """
     tail = model.stage_costs()[tail_cut:]
     return (sum(c.train_memory_bytes_per_sample for c in tail) * batch_size
@@ -254,13 +254,13 @@ def tail_train_memory_bytes(model: SplittableModel, tail_cut: int, *, batch_size
 
 
 def _train_memory_bytes(
-    model: SplittableModel, costs: list[StageCost], *, batch_size: int, checkpoint: bool = False,
-    output_checkpointed: bool = False,
+    model: SplittableModel, costs: list[StageCost], *, batch_size: int, recompute: bool = False,
+    output_recomputed: bool = False,
 ) -> int:
     """Estimate as :func:`client_train_memory_bytes` does, for the stages of ``costs``."""
-    if checkpoint:
-        per_sample = _checkpointed_bytes_per_sample(
-            model, costs, output_checkpointed=output_checkpointed)
+    if recompute:
+        per_sample = _recompute_bytes_per_sample(
+            model, costs, output_recomputed=output_recomputed)
     else:
         per_sample = segment_memory_bytes_per_sample(costs)
     params = sum(c.params for c in costs)
@@ -311,8 +311,8 @@ def _checked_cut(model: SplittableModel, cut: int) -> int:
         ) from None
 
 
-def _checkpointed_bytes_per_sample(
-    model: SplittableModel, costs: list[StageCost], *, output_checkpointed: bool = False
+def _recompute_bytes_per_sample(
+    model: SplittableModel, costs: list[StageCost], *, output_recomputed: bool = False
 ) -> int:
     """Peak of the end of the forward and of backward's rebuilds (see the caller)."""
     # inputs[i]: bytes of stage i's input, the batch itself for stage 0.
@@ -320,13 +320,13 @@ def _checkpointed_bytes_per_sample(
     inputs += [c.activation_bytes_per_sample for c in costs[:-1]]
     last = costs[-1]
     held_output = last.activation_bytes_per_sample
-    if output_checkpointed:
+    if output_recomputed:
         # The output is sent and dropped before the backward, which rebuilds every stage.
         return max(sum(inputs) + held_output, *(
             sum(inputs[: i + 1]) + cost.train_memory_bytes_per_sample
             - cost.input_saved_bytes_per_sample
             for i, cost in enumerate(costs)))
-    # The last stage runs plain: at the end of the forward the checkpointed stages'
+    # The last stage runs plain: at the end of the forward the recomputed stages'
     # inputs, the last stage's saved tensors and the output at the cut are held.
     forward_end = sum(inputs[:-1]) + segment_memory_bytes_per_sample([last])
     rebuilds = (

@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -581,7 +582,7 @@ class PlannerConfig:
     exploration: float = 0.1  # smartsplit: weight of the staleness bonus (Oort's 0.1)
     straggler_penalty: float = 2.0  # smartsplit: exponent of the slow-device penalty (Oort's 2)
     selection: str = "utility"  # smartsplit: utility | random (the baseline among feasible ones)
-    checkpointing: bool = True  # planners may ask a device to checkpoint its activations
+    recompute: bool = True  # planners may ask a device to recompute activations to save memory
     smoothing: float = 0.5  # weight of the newest measurement in the running estimates
     max_leak: float | None = None  # privacy floor: never a cut whose leak score exceeds this
     # A device not measured yet is planned as a median phone: a mid-range phone's sustained
@@ -731,6 +732,14 @@ def to_container(cfg: DictConfig) -> dict[str, Any]:
 
 
 
+#: Keys that were renamed, old full key to new: a run that still sets an old one is
+#: refused naming the new one, rather than told only that the old one does not exist.
+RENAMED_KEYS = {
+    # Read as the run's checkpoints (``checkpoint``, ``resume``); it is activation recomputation.
+    "planner.checkpointing": "planner.recompute",
+}
+
+
 def check_keys(cfg: DictConfig) -> None:
     """Refuse a key no schema has, including one added with Hydra's ``+`` (ValueError).
 
@@ -742,9 +751,32 @@ def check_keys(cfg: DictConfig) -> None:
     Raises
     ------
     ValueError
-        Naming the full key and the nearest valid one.
+        Naming the full key and the nearest valid one, or the new name of a
+        renamed key (:data:`RENAMED_KEYS`).
     """
     _check_node_keys(cfg, "")
+
+
+def check_overrides(overrides: Iterable[str]) -> None:
+    """Refuse a Hydra override that sets a renamed key (ValueError naming the new one).
+
+    Hydra itself refuses ``planner.checkpointing=false`` (no ``+``), before
+    :func:`check_keys` sees the config, with a message that cannot name the new key;
+    this runs before Hydra composes. Overrides with ``+`` reach :func:`check_keys` too.
+
+    Raises
+    ------
+    ValueError
+        Naming the old key and the new one.
+    """
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("~+")
+        if key in RENAMED_KEYS:
+            raise ValueError(_renamed_message(key))
+
+
+def _renamed_message(key: str) -> str:
+    return f"config key {key!r} was renamed to {RENAMED_KEYS[key]!r}; set that instead"
 
 
 def _check_node_keys(node: DictConfig, prefix: str) -> None:
@@ -754,6 +786,8 @@ def _check_node_keys(node: DictConfig, prefix: str) -> None:
     for key in node.keys():
         name = f"{prefix}{key}"
         if known is not None and key not in known:
+            if name in RENAMED_KEYS:
+                raise ValueError(_renamed_message(name))
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else ""
             raise ValueError(f"unknown config key {name!r}: no schema has it{hint} "

@@ -17,6 +17,10 @@ from torch import Tensor
 
 #: Message record of the round's data (round, cut and, for split protocols, the session).
 ROUND_KEY = "round"
+#: ``round`` record entry saying whether the device recomputes its activations in the
+#: backward (``planner.recompute``), echoed in its reply's metrics. The string keeps its
+#: older name: devices outside this repository read it (docs/reference/trunk-proto.md).
+RECOMPUTE_KEY = "checkpoint"
 #: ``config`` record entry of the run's spec (``splitlearn.config.encode_spec``).
 SPEC_KEY = "run-spec"
 #: Reply record of a device that did not finish: ``status`` and ``reason``.

@@ -2,7 +2,7 @@
 
 A device runs its step eagerly in PyTorch (``devices.runtime=eager``, everything), or
 through an exported ExecuTorch program (``executorch``): the split step's device side
-without privacy that clips, noises or regularises, without activation checkpointing,
+without privacy that clips, noises or regularises, without activation recomputation,
 and without buffers the program would not update. Which protocols' device steps a
 runtime can run at all is each protocol's capability (``Capabilities.runtimes``);
 these are the refusals that depend on the run's other settings and on the model.
@@ -16,20 +16,20 @@ from splitlearn.config import PrivacyConfig
 
 #: The setting every ExecuTorch refusal names.
 EXECUTORCH_KEY = "devices.runtime=executorch"
-CHECKPOINT_REFUSAL = (f"{EXECUTORCH_KEY} with activation checkpointing: the program's memory "
-                      "is ExecuTorch's plan (use planner.checkpointing=false or "
-                      "devices.runtime=eager)")
+RECOMPUTE_REFUSAL = (f"{EXECUTORCH_KEY} with activation recomputation: the program's memory "
+                     "is ExecuTorch's plan (use planner.recompute=false or "
+                     "devices.runtime=eager)")
 
 
-def executorch_refusal(privacy: PrivacyConfig, *, checkpoint: bool) -> str | None:
+def executorch_refusal(privacy: PrivacyConfig, *, recompute: bool) -> str | None:
     """Return why ExecuTorch's runtime cannot train a split device side (None: it can).
 
     Parameters
     ----------
     privacy : PrivacyConfig
         The device's privacy settings.
-    checkpoint : bool
-        Whether the device may be asked to checkpoint its activations.
+    recompute : bool
+        Whether the device may be asked to recompute its activations.
     """
     if privacy.name != "none":
         return (f"{EXECUTORCH_KEY} with privacy={privacy.name}: the exported program neither "
@@ -37,7 +37,7 @@ def executorch_refusal(privacy: PrivacyConfig, *, checkpoint: bool) -> str | Non
     if privacy.nopeek_weight:
         return (f"{EXECUTORCH_KEY} with privacy.nopeek_weight={privacy.nopeek_weight}: the "
                 "exported program has no NoPeek term (use devices.runtime=eager)")
-    return CHECKPOINT_REFUSAL if checkpoint else None
+    return RECOMPUTE_REFUSAL if recompute else None
 
 
 def bottom_refusal(bottom: nn.Module) -> str | None:

@@ -6,10 +6,10 @@ virtual seconds they took, memory budget, loss, label coverage) are smoothed
 into a :class:`~splitlearn.planning.cost.ClientState` per node, and the trunk's
 speed is measured from its busy time. Before the next round the planner gets
 the sampled nodes' states and the model's cut table and says who trains, at
-which cut, and whether it checkpoints. A node never measured yet is planned as
-a prior device (``planner.prior_*``: a median phone on a median mobile link),
-so no device figure is needed up front: real devices and emulated ones are
-planned the same way.
+which cut, and whether it recomputes its activations. A node never measured yet
+is planned as a prior device (``planner.prior_*``: a median phone on a median
+mobile link), so no device figure is needed up front: real devices and emulated
+ones are planned the same way.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def build_planner(cfg: PlannerConfig, cuts: Sequence[CutCost], *, shared_trunk: 
                        "exploration": cfg.exploration,
                        "straggler_penalty": cfg.straggler_penalty, "selection": cfg.selection,
                        "seed": seed},
-        "oracle": {"allow_checkpoint": cfg.checkpointing},
+        "oracle": {"allow_recompute": cfg.recompute},
         "rotate": {},
     }
     return make_planner(cfg.name, **options[cfg.name], **common)
@@ -124,7 +124,7 @@ class CutPlanning:
         return max(self.costs)
 
     def assign(self, server_round: int, nodes: Sequence[int]) -> dict[int, Assignment]:
-        """Ask the planner who of ``nodes`` trains, at which cut, checkpointing or not."""
+        """Ask the planner who of ``nodes`` trains, at which cut, recomputing or not."""
         self._planned_rounds += 1  # DynSL counts its re-plans from the first plan
         plan = self.planner.plan(
             self._planned_rounds, [self.state(str(n)) for n in nodes],
@@ -180,7 +180,7 @@ class CutPlanning:
         """Fold one trained client's metrics in; return the trunk FLOPs it caused."""
         cost = self.costs[assigned.cut]
         samples = int(metrics["num-examples"])
-        recompute = cost.recompute_flops_per_sample if assigned.checkpoint else 0.0
+        recompute = cost.recompute_flops_per_sample if assigned.recompute else 0.0
         self.monitor.observe(
             client, flops=samples * (cost.client_flops_per_sample + recompute),
             compute_s=_positive(metrics.get("virtual-compute-s")),

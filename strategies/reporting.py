@@ -42,6 +42,7 @@ from torch import Tensor
 from splitlearn.config import AggregationConfig, RunSpec, encode_spec
 from splitlearn.messages import (
     DECLARED_PROFILE_RECORD,
+    RECOMPUTE_KEY,
     ROUND_KEY,
     SPEC_KEY,
     STATUS_KEY,
@@ -64,7 +65,7 @@ MAX_METRICS = ("virtual-s", "epsilon", "epsilon-vs-server", "peak-memory-bytes")
 #: A declared name longer than this is cut (it is the device's text, not a checked preset).
 PROFILE_NAME_CHARS = 64
 #: Per-client labels, meaningless when averaged.
-CLIENT_ONLY_METRICS = ("partition-id", "cut", "checkpoint", "memory-budget", "round-examples",
+CLIENT_ONLY_METRICS = ("partition-id", "cut", RECOMPUTE_KEY, "memory-budget", "round-examples",
                        "round-steps")
 
 

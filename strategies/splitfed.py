@@ -19,7 +19,7 @@ from flwr.serverapp import Grid
 from torch import Tensor
 
 from splitlearn.dataplane import TokenRegistry
-from splitlearn.messages import record_to_state, stages_outside, state_to_record
+from splitlearn.messages import RECOMPUTE_KEY, record_to_state, stages_outside, state_to_record
 from splitlearn.planning.cost import Assignment
 from strategies.adaptive import CutPlanning
 from strategies.key_exchange import NodeKeys
@@ -106,7 +106,7 @@ class SplitFed(ReportingFedAvg):
         return [n for n in nodes if n in self._assigned]
 
     def assignment(self, node: int) -> Assignment:
-        """``node``'s cut and checkpointing this round."""
+        """``node``'s cut and whether it recomputes activations this round."""
         default = Assignment(str(node), self.spec.model.cut)
         return self._assigned.get(node, default)
 
@@ -190,7 +190,7 @@ class SplitFed(ReportingFedAvg):
         """Return the round's data plus a session: the trunk's address and a fresh token."""
         assigned = self.assignment(node)
         record = super().round_record(node, server_round) | {
-            "cut": assigned.cut, "checkpoint": assigned.checkpoint,
+            "cut": assigned.cut, RECOMPUTE_KEY: assigned.recompute,
             "max_steps": assigned.steps or 0,  # partial work: the batches it trains (0: all)
         }
         if assigned.deadline_s is not None:  # partial work kept by the device's own clock

@@ -154,7 +154,7 @@ def cut_cost(
     client_flops: float,
     server_flops: float,
     memory: int = 0,
-    checkpointed_memory: int | None = None,
+    recompute_memory: int | None = None,
     recompute_flops: float = 0.0,
     smashed: int = 0,
     params: int = 0,
@@ -169,7 +169,7 @@ def cut_cost(
         smashed_bytes_per_sample=smashed,
         client_param_bytes=params,
         memory_bytes=memory,
-        checkpointed_memory_bytes=memory if checkpointed_memory is None else checkpointed_memory,
+        recompute_memory_bytes=memory if recompute_memory is None else recompute_memory,
         leak=leak,
     )
 

@@ -6,8 +6,8 @@ them: forward, exchange with the trunk over a channel when the protocol has one,
 backward, optimiser step. Everything else a round needs (data, declines, privacy,
 dropout, device emulation, byte and time accounting) is the loop's, written once.
 
-Two things every step gets from this base: with ``checkpoint=True`` the device's
-stages run under per-stage activation checkpointing (:mod:`clients.recompute`;
+Two things every step gets from this base: with ``recompute=True`` the device's
+stages run under per-stage activation recomputation (:mod:`clients.recompute`;
 subclasses run them through :meth:`ClientStep.run_stages`), and the first
 :attr:`ClientStep.measured_batches` training batches of a round are measured with
 :class:`clients.memory.MemoryMeter` into :attr:`ClientStep.peak_memory_bytes`.
@@ -45,8 +45,8 @@ class ClientStep:
         The run's settings (protocol options in ``spec.strategy``).
     cut : int
         This client's cut: stages ``[0, cut)`` are the device's.
-    checkpoint : bool, optional
-        Train the device's stages with per-stage activation checkpointing: less
+    recompute : bool, optional
+        Train the device's stages with per-stage activation recomputation: less
         memory (see :meth:`memory_bytes`) for one more forward of compute. A step
         that frees its sent output (:attr:`frees_sent_output`) also replaces the
         ReLU that ends the cut's stage in ``model`` by a
@@ -64,18 +64,18 @@ class ClientStep:
     measured_batches: ClassVar[int] = 3
     #: Whether the step drops the output at the cut once it is sent, before the backward
     #: (it keeps only a :class:`~clients.cut_gradient.GradientRoot` to start the backward
-    #: from): with checkpointing, the last stage is then checkpointed too, with a
+    #: from): with recomputation, the last stage is then recomputed too, with a
     #: :class:`~splitlearn.models.lean.MaskReLU` at the cut.
     frees_sent_output: ClassVar[bool] = False
 
     def __init__(
-        self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
+        self, model: SplittableModel, spec: RunSpec, *, cut: int, recompute: bool = False
     ) -> None:
         self.model = model
         self.spec = spec
         self.cut = model.check_cut(cut)
-        self.checkpoint = checkpoint
-        if checkpoint and self.frees_sent_output:
+        self.recompute = recompute
+        if recompute and self.frees_sent_output:
             mask_cut_relu(model, self.cut)
         self.bottom, _ = split(model, self.cut)
         #: Most bytes one measured training batch held (see :mod:`clients.memory`); 0 before.
@@ -115,9 +115,9 @@ class ClientStep:
         load_bottom_state(self.model, state)
 
     def memory_bytes(self, batch_size: int) -> int:
-        """Estimated training memory of the device's modules for one batch (checkpointed if set)."""
+        """Estimated training memory of the device's modules for one batch (recomputed if set)."""
         return client_train_memory_bytes(
-            self.model, self.cut, batch_size=batch_size, checkpoint=self.checkpoint,
+            self.model, self.cut, batch_size=batch_size, recompute=self.recompute,
             frees_output=self.frees_sent_output,
         )
 
@@ -173,7 +173,7 @@ class ClientStep:
         raise NotImplementedError
 
     def run_stages(self, stages: Iterable[nn.Module], inputs: Tensor) -> Tensor:
-        """Run the device's ``stages`` for training: checkpointed when asked, output measured.
+        """Run the device's ``stages`` for training: recomputed when asked, output measured.
 
         Parameters
         ----------
@@ -190,8 +190,8 @@ class ClientStep:
         """
         meter = self._meter
         observe = nullcontext if meter is None else meter.observing
-        out = run_stages(stages, inputs, checkpoint=self.checkpoint,
-                         checkpoint_output=self.frees_sent_output, recompute_context=observe)
+        out = run_stages(stages, inputs, recompute=self.recompute,
+                         recompute_output=self.frees_sent_output, recompute_context=observe)
         if meter is not None:
             meter.watch(out)
         return out

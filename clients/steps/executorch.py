@@ -15,7 +15,7 @@ programs back. Evaluation stays eager PyTorch (no update, the same function).
 What the program does not do is refused rather than trained eagerly
 (:func:`splitlearn.runtimes.executorch_refusal`, at composition and again on the device):
 other device steps, privacy that clips, noises or regularises what the device computes,
-activation checkpointing, and stages holding buffers (BatchNorm's running statistics,
+activation recomputation, and stages holding buffers (BatchNorm's running statistics,
 which the program does not update).
 
 ``peak-memory-bytes`` is the largest memory plan of the round's programs (the arena
@@ -39,7 +39,7 @@ from protocols import Protocol, runtime_refusal
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.models import SplittableModel
-from splitlearn.runtimes import CHECKPOINT_REFUSAL, bottom_refusal, executorch_refusal
+from splitlearn.runtimes import RECOMPUTE_REFUSAL, bottom_refusal, executorch_refusal
 
 
 def model_settings(spec: RunSpec) -> str:
@@ -49,7 +49,7 @@ def model_settings(spec: RunSpec) -> str:
     return repr((model.name, model._target_, options, dataset.name, dataset.image_size))
 
 
-def client_step_type(protocol: Protocol, spec: RunSpec, *, checkpoint: bool
+def client_step_type(protocol: Protocol, spec: RunSpec, *, recompute: bool
                      ) -> type[ClientStep]:
     """Return the step that trains this round's device side under ``spec.devices.runtime``.
 
@@ -64,7 +64,7 @@ def client_step_type(protocol: Protocol, spec: RunSpec, *, checkpoint: bool
     if spec.devices.runtime == "eager":
         return protocol.client
     refusal = (runtime_refusal(protocol, spec.devices.runtime)
-               or executorch_refusal(spec.privacy, checkpoint=checkpoint))
+               or executorch_refusal(spec.privacy, recompute=recompute))
     if refusal is not None:
         raise DeviceFailure(refusal)
     return ExecuTorchSplitStep
@@ -80,10 +80,10 @@ class ExecuTorchSplitStep(SplitStep):
     """
 
     def __init__(
-        self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
+        self, model: SplittableModel, spec: RunSpec, *, cut: int, recompute: bool = False
     ) -> None:
-        if checkpoint:
-            raise DeviceFailure(CHECKPOINT_REFUSAL)
+        if recompute:
+            raise DeviceFailure(RECOMPUTE_REFUSAL)
         super().__init__(model, spec, cut=cut)
         refusal = bottom_refusal(self.bottom)
         if refusal is not None:

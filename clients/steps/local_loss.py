@@ -40,9 +40,9 @@ class LocalLossStep(ClientStep):
     receives_gradient = False
 
     def __init__(
-        self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
+        self, model: SplittableModel, spec: RunSpec, *, cut: int, recompute: bool = False
     ) -> None:
-        super().__init__(model, spec, cut=cut, checkpoint=checkpoint)
+        super().__init__(model, spec, cut=cut, recompute=recompute)
         options = spec.strategy
         self.bulk: bool = options.bulk  # type: ignore[attr-defined]
         self.needs_channel = not self.bulk  # type: ignore[misc]
@@ -94,7 +94,7 @@ class LocalLossStep(ClientStep):
         """Estimate the bottom's memory plus the head's parameters, gradients and momentum."""
         head = 3 * 4 * sum(p.numel() for p in self.aux.parameters())
         return head + client_train_memory_bytes(
-            self.model, self.cut, batch_size=batch_size, checkpoint=self.checkpoint
+            self.model, self.cut, batch_size=batch_size, recompute=self.recompute
         )
 
     def _train_batch(

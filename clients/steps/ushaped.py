@@ -28,9 +28,9 @@ class UShapedStep(ClientStep):
     frees_sent_output = True
 
     def __init__(
-        self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
+        self, model: SplittableModel, spec: RunSpec, *, cut: int, recompute: bool = False
     ) -> None:
-        super().__init__(model, spec, cut=cut, checkpoint=checkpoint)
+        super().__init__(model, spec, cut=cut, recompute=recompute)
         self.tail_cut = resolve_tail_cut(model, self.cut, spec.strategy.tail_cut)  # type: ignore[attr-defined]
         self.head, _, self.tail = split_u(model, self.cut, self.tail_cut)
         self._parts = nn.ModuleList([self.head, self.tail])
@@ -74,7 +74,7 @@ class UShapedStep(ClientStep):
         """Estimate the head's memory plus the tail's saved activations and parameter state."""
         tail_bytes = tail_train_memory_bytes(self.model, self.tail_cut, batch_size=batch_size)
         return tail_bytes + client_train_memory_bytes(
-            self.model, self.cut, batch_size=batch_size, checkpoint=self.checkpoint,
+            self.model, self.cut, batch_size=batch_size, recompute=self.recompute,
             frees_output=self.frees_sent_output,
         )
 

@@ -2,8 +2,8 @@
 
 The device downloads every stage, trains locally and uploads every stage; its
 bytes are the weights themselves (counted by the ClientApp, as for every protocol),
-which is what split learning is compared against. With ``checkpoint=True`` every
-stage but the last is checkpointed.
+which is what split learning is compared against. With ``recompute=True`` every
+stage but the last is recomputed in the backward.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ class WholeModelStep(ClientStep):
     needs_channel = False
 
     def __init__(
-        self, model: SplittableModel, spec: RunSpec, *, cut: int, checkpoint: bool = False
+        self, model: SplittableModel, spec: RunSpec, *, cut: int, recompute: bool = False
     ) -> None:
-        super().__init__(model, spec, cut=cut, checkpoint=checkpoint)
+        super().__init__(model, spec, cut=cut, recompute=recompute)
 
     def trained(self) -> nn.Module:
         """Return the whole model."""
@@ -40,7 +40,7 @@ class WholeModelStep(ClientStep):
     def memory_bytes(self, batch_size: int) -> int:
         """Estimate the whole model's training memory for one batch, the loss's included."""
         stages = client_train_memory_bytes(
-            self.model, self.model.num_stages, batch_size=batch_size, checkpoint=self.checkpoint
+            self.model, self.model.num_stages, batch_size=batch_size, recompute=self.recompute
         )
         return stages + cross_entropy_memory_bytes(self.model.num_classes, batch_size=batch_size)
 

@@ -8,7 +8,7 @@ reasoned about alone.
 A client ``i`` that trains ``s_i`` samples in ``b_i`` batches at cut ``c``
 needs, in the virtual clock's terms (``splitlearn.planning.clock``)::
 
-    T_i(c) = s_i * flops_client(c) / F_i            # compute (x 4/3 when checkpointing)
+    T_i(c) = s_i * flops_client(c) / F_i            # compute (x 4/3 when recomputing)
            + s_i * smashed(c) / up_i                # activations up
            + s_i * smashed(c) / down_i              # their gradients down
            + b_i * e(c) * rtt_i                     # e round trips per batch (1; U-shaped 2)
@@ -43,7 +43,7 @@ class CutCost:
     client_flops_per_sample : float
         Training FLOPs (forward + backward) of the client's stages.
     recompute_flops_per_sample : float
-        Extra FLOPs when the client checkpoints its activations (one more
+        Extra FLOPs when the client recomputes its activations (one more
         forward of its stages during backward).
     server_flops_per_sample : float
         Training FLOPs of the trunk's stages ``[cut, n)``.
@@ -53,8 +53,8 @@ class CutCost:
         Bytes of the client's weights (float32), downloaded and uploaded each round.
     memory_bytes : int
         Client training memory for one batch at the run's batch size.
-    checkpointed_memory_bytes : int
-        The same with per-stage activation checkpointing.
+    recompute_memory_bytes : int
+        The same with per-stage activation recomputation.
     leak : float | None
         A measured attack score at this cut (e.g. inversion SSIM; higher
         reveals more), or None when not measured.
@@ -84,7 +84,7 @@ class CutCost:
     smashed_bytes_per_sample: int
     client_param_bytes: int
     memory_bytes: int
-    checkpointed_memory_bytes: int
+    recompute_memory_bytes: int
     leak: float | None = None
     exchanges_per_batch: int = 1
     returns_gradient: bool = True
@@ -169,7 +169,7 @@ class ClientState:
 
 @dataclass(frozen=True)
 class Assignment:
-    """One client's part in a round: its cut, whether it checkpoints, how much it trains.
+    """One client's part in a round: its cut, whether it recomputes, how much it trains.
 
     ``steps`` caps the batches it trains this round (partial work: a slow device
     trains what fits the round's deadline); None is its whole round. With
@@ -181,7 +181,7 @@ class Assignment:
 
     client: str
     cut: int
-    checkpoint: bool = False
+    recompute: bool = False
     steps: int | None = None
     deadline_s: float | None = None
     least_work: float = 1.0
@@ -210,9 +210,9 @@ class Plan:
         return next((a.cut for a in self.assignments if a.client == client), None)
 
 
-def client_seconds(client: ClientState, cost: CutCost, *, checkpoint: bool = False) -> float:
+def client_seconds(client: ClientState, cost: CutCost, *, recompute: bool = False) -> float:
     """Predicted seconds of the client's own compute and transfers at ``cost.cut``."""
-    flops = cost.client_flops_per_sample + (cost.recompute_flops_per_sample if checkpoint else 0.0)
+    flops = cost.client_flops_per_sample + (cost.recompute_flops_per_sample if recompute else 0.0)
     activations = client.samples * cost.smashed_bytes_per_sample
     gradient = cost.gradient_bytes_per_sample
     gradients = (client.samples * (cost.smashed_bytes_per_sample if gradient is None else gradient)
@@ -248,10 +248,10 @@ class RoundWork:
 
     @classmethod
     def of(cls, client: ClientState, cost: CutCost, *, trunk_flops_per_s: float,
-           checkpoint: bool = False) -> RoundWork:
+           recompute: bool = False) -> RoundWork:
         """Return ``client``'s round at ``cost.cut`` as a line."""
-        whole = client_seconds(client, cost, checkpoint=checkpoint)
-        fixed = client_seconds(replace(client, samples=0, batches=0), cost, checkpoint=checkpoint)
+        whole = client_seconds(client, cost, recompute=recompute)
+        fixed = client_seconds(replace(client, samples=0, batches=0), cost, recompute=recompute)
         trunk = trunk_seconds(client, cost, trunk_flops_per_s=trunk_flops_per_s)
         batches = max(client.batches, 1)
         return cls(client.batches, fixed, (whole - fixed) / batches, trunk / batches)
@@ -279,16 +279,16 @@ class RoundWork:
         return steps
 
 
-def needed_memory(client: ClientState, cost: CutCost, *, checkpoint: bool = False) -> int:
+def needed_memory(client: ClientState, cost: CutCost, *, recompute: bool = False) -> int:
     """Return the client's training memory at the cut: a batch's, and the rows it keeps."""
-    batch = cost.checkpointed_memory_bytes if checkpoint else cost.memory_bytes
+    batch = cost.recompute_memory_bytes if recompute else cost.memory_bytes
     kept = int(min(cost.kept_samples, client.samples)) * cost.kept_bytes_per_sample
     return batch + cost.reference_bytes_per_example * client.examples + kept
 
 
-def fits(client: ClientState, cost: CutCost, *, checkpoint: bool = False) -> bool:
+def fits(client: ClientState, cost: CutCost, *, recompute: bool = False) -> bool:
     """Whether the cut's training memory fits the client's budget."""
-    return needed_memory(client, cost, checkpoint=checkpoint) <= client.memory_bytes
+    return needed_memory(client, cost, recompute=recompute) <= client.memory_bytes
 
 
 def makespan(

@@ -3,7 +3,7 @@
 Waiting for every selected device to finish its whole round lets the slowest set
 the round's length. With partial work the round has a deadline ``tau`` on the
 devices' own time, and device ``i`` trains ``k_i`` of its ``B_i`` batches at the
-cut and checkpointing the makespan solver gave it for a whole round:
+cut (with or without recomputation) the makespan solver gave it for a whole round:
 
 * its round is a line, ``T(k) = weights + k x per batch`` and
   ``W(k) = k x trunk per batch`` (:class:`~splitlearn.planning.cost.RoundWork`),
@@ -97,7 +97,7 @@ def deadline_choices(
     """
     by_cut = {c.cut: c for c in cuts}
     lines = [None if o is None else (o, RoundWork.of(
-        client, by_cut[o.cut], trunk_flops_per_s=trunk_flops_per_s, checkpoint=o.checkpoint))
+        client, by_cut[o.cut], trunk_flops_per_s=trunk_flops_per_s, recompute=o.recompute))
         for client, o in zip(clients, whole, strict=True)]
     best: tuple[float, float, list[PartialChoice | None]] = (-math.inf, -math.inf, [])
     for tau in _candidates(lines, min_work):

@@ -3,7 +3,7 @@
 Every planner answers one question per round: given what is known of the
 clients (:class:`~splitlearn.planning.cost.ClientState`) and what each cut
 costs (:class:`~splitlearn.planning.cost.CutCost`), who trains at which cut,
-with or without checkpointing? Plans are scored with the same cost model
+with or without activation recomputation? Plans are scored with the same cost model
 (:mod:`splitlearn.planning.cost`), so planners compare on predicted makespan.
 
 * :class:`UniformPlanner`: one fixed cut for everyone (today's behaviour).
@@ -12,7 +12,7 @@ with or without checkpointing? Plans are scored with the same cost model
 * :class:`DynSLPlanner`: exact per-client cuts re-planned every ``R`` rounds,
   moving clients only when the gain pays for the move.
 * :class:`SmartSplitPlanner`: memory-aware device selection (data utility,
-  staleness and speed) with exact cuts and checkpointing.
+  staleness and speed) with exact cuts and recomputation.
 * :class:`OraclePlanner`: exhaustive search (small fleets only).
 * :class:`RotatePlanner`: a diagnostic that moves every client's cut each round.
 
@@ -104,18 +104,18 @@ class FlooredPlanner:
 
     def options(
         self, clients: Sequence[ClientState], cuts: Sequence[CutCost], *,
-        trunk_flops_per_s: float, allow_checkpoint: bool,
+        trunk_flops_per_s: float, allow_recompute: bool,
     ) -> tuple[list[list[Option]], dict[str, str]]:
         """Each client's feasible options above the floor, and why the others have none."""
         return candidate_options(
             clients, cuts, trunk_flops_per_s=trunk_flops_per_s,
-            allow_checkpoint=allow_checkpoint, min_cut=self.min_cut,
+            allow_recompute=allow_recompute, min_cut=self.min_cut,
             forbidden_cuts=self.forbidden_cuts,
         )
 
 
 class UniformPlanner:
-    """Every client at one cut without checkpointing; those it does not fit are excluded.
+    """Every client at one cut without recomputation; those it does not fit are excluded.
 
     Parameters
     ----------
@@ -159,7 +159,7 @@ class UniformPlanner:
             clients,
             only,
             trunk_flops_per_s=trunk_flops_per_s,
-            allow_checkpoint=False,
+            allow_recompute=False,
             shared_trunk=self.shared_trunk,
         )
 
@@ -167,7 +167,7 @@ class UniformPlanner:
 class GreedyPlanner(FlooredPlanner):
     """Each client the feasible cut of least ``T_i + W_i``, as if it had the trunk alone.
 
-    No checkpointing. The plan's makespan is still predicted with the shared
+    No recomputation. The plan's makespan is still predicted with the shared
     trunk (when ``shared_trunk``), which is what the greedy choice ignores.
     """
 
@@ -181,7 +181,7 @@ class GreedyPlanner(FlooredPlanner):
     ) -> Plan:
         """Give each client its own fastest cut (see :class:`Planner`)."""
         options, excluded = self.options(
-            clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_checkpoint=False
+            clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_recompute=False
         )
         # min() keeps the first of equal times: options come in preference order.
         chosen = [
@@ -194,7 +194,7 @@ class DynSLPlanner(FlooredPlanner):
     """DynSL: exact per-client cuts from measured compute and links, re-planned every R rounds.
 
     On re-plan rounds (1, 1 + R, 1 + 2R, ...) the planner solves exactly (no
-    selection, no checkpointing) and compares with keeping the current cuts:
+    selection, no recomputation) and compares with keeping the current cuts:
 
     * gain = (kept makespan - new makespan) x R rounds;
     * cost = sum over moved clients of ``move_bytes`` / its slower link + one RTT.
@@ -252,7 +252,7 @@ class DynSLPlanner(FlooredPlanner):
     ) -> Plan:
         """Keep cuts, or re-plan when this round is a re-plan round (see :class:`Planner`)."""
         options, excluded = self.options(
-            clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_checkpoint=False
+            clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_recompute=False
         )
         current = [self._kept_option(c, opts) for c, opts in zip(clients, options, strict=True)]
         pinned = [[o] if o is not None else opts for o, opts in zip(current, options, strict=True)]
@@ -327,9 +327,9 @@ _SIZE_GRID = 8
 
 
 class SmartSplitPlanner(FlooredPlanner):
-    """SmartSplit: memory-aware device selection, exact cuts with checkpointing.
+    """SmartSplit: memory-aware device selection, exact cuts with recomputation.
 
-    Per round: (a) devices that fit no cut even with checkpointing are
+    Per round: (a) devices that fit no cut even with recomputation are
     excluded; (b) of the rest, the ``m = max(1, round(select_fraction x n))``
     of highest score train, where (after Oort, Lai et al., OSDI 2021)::
 
@@ -341,8 +341,8 @@ class SmartSplitPlanner(FlooredPlanner):
     first in line, fastest first), ``t_i`` its fastest predicted time at any
     cut it fits and ``deadline`` the m-th smallest of those (the round m
     devices could make); ties go to the faster device, then input order;
-    (c) the selected devices' cuts and checkpointing are solved exactly
-    (checkpointing costs recompute FLOPs, so the solver takes it only to fit
+    (c) the selected devices' cuts and recomputation are solved exactly
+    (recomputation costs FLOPs, so the solver takes it only to fit
     or to reach a faster cut).
 
     Without the staleness bonus the same fast devices would train every round
@@ -382,7 +382,7 @@ class SmartSplitPlanner(FlooredPlanner):
     selection : str
         ``"utility"`` as above, or ``"random"``: ``m`` feasible devices drawn
         at random each round (seeded by ``seed`` and the round), their cuts
-        and checkpointing still solved exactly: the baseline that shows what
+        and recomputation still solved exactly: the baseline that shows what
         the scoring buys.
     seed : int
         Seed of the random selection.
@@ -454,7 +454,7 @@ class SmartSplitPlanner(FlooredPlanner):
     ) -> Plan:
         """Select the ``m`` best-scored devices and solve their cuts (see :class:`Planner`)."""
         options, excluded = self.options(
-            clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_checkpoint=True
+            clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_recompute=True
         )
         feasible = [i for i, opts in enumerate(options) if opts]
         best: tuple[float, set[int], list[Option | None], list[PartialChoice | None] | None]
@@ -528,8 +528,8 @@ class OraclePlanner(FlooredPlanner):
 
     Parameters
     ----------
-    allow_checkpoint : bool
-        Whether clients may checkpoint.
+    allow_recompute : bool
+        Whether clients may recompute activations.
     min_cut, forbidden_cuts
         The privacy floor.
     shared_trunk : bool
@@ -539,12 +539,12 @@ class OraclePlanner(FlooredPlanner):
     def __init__(
         self,
         *,
-        allow_checkpoint: bool = True,
+        allow_recompute: bool = True,
         min_cut: int | None = None,
         forbidden_cuts: Collection[int] = frozenset(),
         shared_trunk: bool = True,
     ) -> None:
-        self.allow_checkpoint = allow_checkpoint
+        self.allow_recompute = allow_recompute
         super().__init__(min_cut=min_cut, forbidden_cuts=forbidden_cuts, shared_trunk=shared_trunk)
 
     def plan(
@@ -561,7 +561,7 @@ class OraclePlanner(FlooredPlanner):
                 clients,
                 cuts,
                 trunk_flops_per_s=trunk_flops_per_s,
-                allow_checkpoint=self.allow_checkpoint,
+                allow_recompute=self.allow_recompute,
                 min_cut=self.min_cut,
                 forbidden_cuts=self.forbidden_cuts,
                 shared_trunk=self.shared_trunk,
@@ -573,7 +573,7 @@ class OraclePlanner(FlooredPlanner):
 
 
 class RotatePlanner(FlooredPlanner):
-    """Diagnostic: client ``k`` takes ``cuts[(k + round) % len(cuts)]``, no checkpointing.
+    """Diagnostic: client ``k`` takes ``cuts[(k + round) % len(cuts)]``, no recomputation.
 
     Cuts then differ within a round and move every round, which exercises the
     per-client machinery; it is not meant to be fast. ``k`` is the client's
@@ -601,10 +601,10 @@ class RotatePlanner(FlooredPlanner):
         for client in clients:
             turn = [allowed[(rank[client.client] + server_round) % len(allowed)]]
             opts = client_options(
-                client, turn, trunk_flops_per_s=trunk_flops_per_s, allow_checkpoint=False
+                client, turn, trunk_flops_per_s=trunk_flops_per_s, allow_recompute=False
             )
             if not opts:
-                excluded[client.client] = memory_reason(client, turn, allow_checkpoint=False)
+                excluded[client.client] = memory_reason(client, turn, allow_recompute=False)
             chosen.append(opts[0] if opts else None)
         return plan_from_choices(clients, chosen, excluded, shared_trunk=self.shared_trunk)
 

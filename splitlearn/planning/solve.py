@@ -1,10 +1,10 @@
 """Exact makespan minimisation over per-client cuts (pure Python).
 
-Every client ``i`` has options ``o = (cut, checkpoint)``; an option is
+Every client ``i`` has options ``o = (cut, recompute)``; an option is
 feasible when its training memory fits the client's budget
 (:func:`~splitlearn.planning.cost.fits`), its cut is at least ``min_cut`` and
-not in ``forbidden_cuts``, and (unless ``allow_checkpoint``) it does not
-checkpoint. Each option costs the client ``T_io`` seconds
+not in ``forbidden_cuts``, and (unless ``allow_recompute``) it does not
+recompute activations. Each option costs the client ``T_io`` seconds
 (:func:`~splitlearn.planning.cost.client_seconds`) and the trunk ``W_io``
 seconds (:func:`~splitlearn.planning.cost.trunk_seconds`). A round lasts
 
@@ -40,7 +40,7 @@ Algorithm, a trunk per client
 
 Ties (deterministic)
     Among options of equal ``W`` (or ``T + W``) a client prefers no
-    checkpointing, then its ``current_cut``, then the smaller cut; among
+    recomputation, then its ``current_cut``, then the smaller cut; among
     clients of equal ``W`` the selection prefers smaller ``T``, then input
     order; among thresholds of equal score (to 1e-12 relative, the rounding
     of the running sums) the smallest wins.
@@ -87,14 +87,14 @@ class TooManyAssignments(ValueError):
 
 @dataclass(frozen=True)
 class Option:
-    """One feasible way for a client to train: a cut, checkpointing, and its times.
+    """One feasible way for a client to train: a cut, recomputation or not, and its times.
 
     Parameters
     ----------
     cut : int
         Stages ``[0, cut)`` on the client.
-    checkpoint : bool
-        Whether the client checkpoints its activations.
+    recompute : bool
+        Whether the client recomputes its activations in the backward.
     client_s : float
         Predicted client seconds ``T`` (compute and transfers).
     trunk_s : float
@@ -102,7 +102,7 @@ class Option:
     """
 
     cut: int
-    checkpoint: bool
+    recompute: bool
     client_s: float
     trunk_s: float
 
@@ -138,37 +138,37 @@ def client_options(
     cuts: Sequence[CutCost],
     *,
     trunk_flops_per_s: float,
-    allow_checkpoint: bool = True,
+    allow_recompute: bool = True,
 ) -> list[Option]:
     """Return the client's feasible options, most preferred first.
 
-    Preference (used to break ties): no checkpointing, then the client's
+    Preference (used to break ties): no recomputation, then the client's
     ``current_cut``, then the smaller cut. ``cuts`` should already be the
     allowed ones (:func:`allowed_cuts`).
     """
-    modes = (False, True) if allow_checkpoint else (False,)
+    modes = (False, True) if allow_recompute else (False,)
     options = [
         Option(
             cut=cost.cut,
-            checkpoint=checkpoint,
-            client_s=client_seconds(client, cost, checkpoint=checkpoint),
+            recompute=recompute,
+            client_s=client_seconds(client, cost, recompute=recompute),
             trunk_s=trunk_seconds(client, cost, trunk_flops_per_s=trunk_flops_per_s),
         )
         for cost in cuts
-        for checkpoint in modes
-        if fits(client, cost, checkpoint=checkpoint)
+        for recompute in modes
+        if fits(client, cost, recompute=recompute)
     ]
-    return sorted(options, key=lambda o: (o.checkpoint, o.cut != client.current_cut, o.cut))
+    return sorted(options, key=lambda o: (o.recompute, o.cut != client.current_cut, o.cut))
 
 
-def memory_reason(client: ClientState, cuts: Sequence[CutCost], *, allow_checkpoint: bool) -> str:
+def memory_reason(client: ClientState, cuts: Sequence[CutCost], *, allow_recompute: bool) -> str:
     """Explain why no allowed cut fits ``client``: the least memory any needs vs its budget."""
     needs = [(needed_memory(client, cost), cost.cut, False) for cost in cuts]
-    if allow_checkpoint:
-        needs += [(needed_memory(client, cost, checkpoint=True), cost.cut, True)
+    if allow_recompute:
+        needs += [(needed_memory(client, cost, recompute=True), cost.cut, True)
                   for cost in cuts]
-    need, cut, checkpoint = min(needs)
-    how = " with checkpointing" if checkpoint else ""
+    need, cut, recompute = min(needs)
+    how = " with recomputation" if recompute else ""
     return (
         f"no cut fits its memory: needs at least {need:,} bytes (cut {cut}{how}), "
         f"budget {client.memory_bytes:,.0f} bytes"
@@ -194,7 +194,7 @@ def plan_from_choices(
         if option is None:
             reasons.setdefault(client.client, NOT_SELECTED)
             continue
-        assignments.append(Assignment(client.client, option.cut, option.checkpoint))
+        assignments.append(Assignment(client.client, option.cut, option.recompute))
         pairs.append((option.client_s, option.trunk_s))
     ordered = {c.client: reasons[c.client] for c in clients if c.client in reasons}
     return Plan(tuple(assignments), makespan(pairs, shared_trunk=shared_trunk), ordered)
@@ -206,7 +206,7 @@ def solve(
     *,
     trunk_flops_per_s: float,
     select: int | None = None,
-    allow_checkpoint: bool = True,
+    allow_recompute: bool = True,
     min_cut: int | None = None,
     forbidden_cuts: Collection[int] = frozenset(),
     shared_trunk: bool = True,
@@ -224,8 +224,8 @@ def solve(
     select : int | None
         None: every client with a feasible option takes part. ``m``: exactly
         ``min(m, #feasible)`` clients take part, chosen with the cuts.
-    allow_checkpoint : bool
-        Whether clients may checkpoint activations (recompute for memory).
+    allow_recompute : bool
+        Whether clients may recompute activations in the backward (to fit memory).
     min_cut : int | None
         The smallest cut allowed (a privacy floor), or None.
     forbidden_cuts : Collection[int]
@@ -250,7 +250,7 @@ def solve(
         cuts,
         trunk_flops_per_s=trunk_flops_per_s,
         select=select,
-        allow_checkpoint=allow_checkpoint,
+        allow_recompute=allow_recompute,
         min_cut=min_cut,
         forbidden_cuts=forbidden_cuts,
     )
@@ -264,7 +264,7 @@ def candidate_options(
     *,
     trunk_flops_per_s: float,
     select: int | None = None,
-    allow_checkpoint: bool = True,
+    allow_recompute: bool = True,
     min_cut: int | None = None,
     forbidden_cuts: Collection[int] = frozenset(),
 ) -> tuple[list[list[Option]], dict[str, str]]:
@@ -279,12 +279,12 @@ def candidate_options(
     allowed = allowed_cuts(cuts, min_cut=min_cut, forbidden_cuts=forbidden_cuts)
     options = [
         client_options(
-            c, allowed, trunk_flops_per_s=trunk_flops_per_s, allow_checkpoint=allow_checkpoint
+            c, allowed, trunk_flops_per_s=trunk_flops_per_s, allow_recompute=allow_recompute
         )
         for c in clients
     ]
     excluded = {
-        c.client: memory_reason(c, allowed, allow_checkpoint=allow_checkpoint)
+        c.client: memory_reason(c, allowed, allow_recompute=allow_recompute)
         for c, opts in zip(clients, options, strict=True)
         if not opts
     }
@@ -431,7 +431,7 @@ def brute_force(
     *,
     trunk_flops_per_s: float,
     select: int | None = None,
-    allow_checkpoint: bool = True,
+    allow_recompute: bool = True,
     min_cut: int | None = None,
     forbidden_cuts: Collection[int] = frozenset(),
     shared_trunk: bool = True,
@@ -455,7 +455,7 @@ def brute_force(
         cuts,
         trunk_flops_per_s=trunk_flops_per_s,
         select=select,
-        allow_checkpoint=allow_checkpoint,
+        allow_recompute=allow_recompute,
         min_cut=min_cut,
         forbidden_cuts=forbidden_cuts,
     )
@@ -499,7 +499,7 @@ def random_instance(
 
     Deeper cuts put more FLOPs, weights and memory on the client; activations
     shrink with depth, unevenly. Budgets leave some cuts out of reach for some
-    clients, and some only with checkpointing.
+    clients, and some only with recomputation.
     """
     rng = random.Random(seed)
     total_flops = 3e9
@@ -517,7 +517,7 @@ def random_instance(
                 smashed_bytes_per_sample=int(200e3 * (1 - share) * rng.uniform(0.5, 1.5)) + 1,
                 client_param_bytes=int(40e6 * share**2),
                 memory_bytes=memory,
-                checkpointed_memory_bytes=int(memory * rng.uniform(0.4, 0.8)),
+                recompute_memory_bytes=int(memory * rng.uniform(0.4, 0.8)),
             )
         )
     clients = [
@@ -542,7 +542,7 @@ def time_planner(num_clients: int = 1000, num_cuts: int = 20, seed: int = 0) -> 
     """Seconds to solve a random instance (:func:`random_instance`) twice.
 
     Once with every feasible client and once selecting a tenth of them, both
-    with checkpointing allowed and a shared trunk; the sum is returned (a
+    with recomputation allowed and a shared trunk; the sum is returned (a
     benchmark's figure, never asserted on in tests).
     """
     clients, cuts, trunk = random_instance(num_clients, num_cuts, seed=seed)

@@ -23,7 +23,13 @@ from splitlearn.config import (
     to_object,
 )
 from splitlearn.dataplane import TokenRegistry
-from splitlearn.messages import ROUND_KEY, STATUS_KEY, record_to_state, state_to_record
+from splitlearn.messages import (
+    RECOMPUTE_KEY,
+    ROUND_KEY,
+    STATUS_KEY,
+    record_to_state,
+    state_to_record,
+)
 from splitlearn.models.factory import build_model_from_config
 from splitlearn.planning.cost import Assignment
 from splitlearn.planning.devices import DeviceProfile, apply_traces
@@ -43,7 +49,7 @@ def trained_reply(message: Message, *, samples: int = 32, compute_s: float = 1.0
     data = message.content[ROUND_KEY]
     metrics = MetricRecord({
         "num-examples": samples, "steps": 4, "cut": int(data["cut"]),
-        "checkpoint": int(bool(data["checkpoint"])), "partition-id": message.metadata.dst_node_id,
+        RECOMPUTE_KEY: int(bool(data[RECOMPUTE_KEY])), "partition-id": message.metadata.dst_node_id,
         "virtual-compute-s": compute_s, "bytes-up": 1000, "virtual-upload-s": 0.1,
         "bytes-down": 1000, "virtual-download-s": 0.05, "virtual-latency-s": 0.04,
         "memory-budget": budget, "train-loss": 1.0, "label-coverage": 1.0,
@@ -96,7 +102,7 @@ def test_each_client_gets_the_stages_below_its_planned_cut_and_the_merge_covers_
         for message in call:
             stages = {int(k.split(".")[0]) for k in message.content["arrays"]}
             assert stages == set(range(cuts[message.metadata.dst_node_id]))
-            assert message.content[ROUND_KEY]["checkpoint"] is False
+            assert message.content[ROUND_KEY][RECOMPUTE_KEY] is False
     # The session token grants the planned cut, so the trunk checks frames against it.
     assert granted == cuts
 
@@ -105,10 +111,10 @@ def test_the_planner_learns_budgets_from_declines_and_the_trunk_speed_from_its_b
     planner = SmartSplitPlanner(select_fraction=1.0)
     strategy, model, trunk, planning = make_splitfed(planner)
     costs = {c.cut: c for c in cut_costs(model, batch_size=8)}
-    budget = costs[1].memory_bytes  # fits cut 1 plainly, nothing deeper without checkpointing
-    request = Message(RecordDict({ROUND_KEY: ConfigRecord({"cut": 1, "checkpoint": False})}),
+    budget = costs[1].memory_bytes  # fits cut 1 plainly, nothing deeper without recomputation
+    request = Message(RecordDict({ROUND_KEY: ConfigRecord({"cut": 1, RECOMPUTE_KEY: False})}),
                       dst_node_id=5, message_type="train.splitfed_v2")
-    ok = Message(RecordDict({ROUND_KEY: ConfigRecord({"cut": 1, "checkpoint": False}),
+    ok = Message(RecordDict({ROUND_KEY: ConfigRecord({"cut": 1, RECOMPUTE_KEY: False}),
                              "arrays": ArrayRecord()}),
                  dst_node_id=6, message_type="train.splitfed_v2")
     trunk.busy_s += 2.0  # the trunk worked 2 s for the round
@@ -122,8 +128,8 @@ def test_the_planner_learns_budgets_from_declines_and_the_trunk_speed_from_its_b
     assert planning.state("5").memory_bytes == budget
     assert planning.trunk_flops_per_s == pytest.approx(40 * costs[1].server_flops_per_sample / 2)
     assigned = planning.assign(2, [5, 6])
-    assert assigned[5].cut == 1 or assigned[5].checkpoint  # never a plan that cannot fit
-    fits = costs[assigned[5].cut].checkpointed_memory_bytes if assigned[5].checkpoint else \
+    assert assigned[5].cut == 1 or assigned[5].recompute  # never a plan that cannot fit
+    fits = costs[assigned[5].cut].recompute_memory_bytes if assigned[5].recompute else \
         costs[assigned[5].cut].memory_bytes
     assert fits <= budget
 

@@ -408,7 +408,7 @@ def test_the_batch_order_is_the_nodes_secret_under_activation_noise(privacy, sec
 
     def order() -> list[float]:
         rnd = ClientRound(PROTOCOLS["splitfed_v2"], spec, server_round=3, cut=1,
-                          checkpoint=False, token="", trunk_address="", partition_id=1,
+                          recompute=False, token="", trunk_address="", partition_id=1,
                           num_partitions=4)
         return [float(v) for x, _ in rnd.loader() for v in x.flatten(1).sum(1)]
 
@@ -452,7 +452,7 @@ def test_a_warm_process_builds_a_simulated_devices_data_once(monkeypatch):
 
     def data(partition_id: int, server_round: int) -> TensorDataset:
         return ClientRound(PROTOCOLS["splitfed_v2"], RunSpec(), server_round=server_round,
-                           cut=1, checkpoint=False, token="", trunk_address="",
+                           cut=1, recompute=False, token="", trunk_address="",
                            partition_id=partition_id, num_partitions=4).dataset()
 
     rounds = [data(p, r) for r in (1, 2) for p in (1, 2)]

@@ -28,11 +28,11 @@ from tests.conftest import digits_like_model
      "with privacy=activation_gaussian"),
     (["privacy=dpsgd_client", "privacy.noise_multiplier=1.0"], "with privacy=dpsgd_client"),
     (["privacy.nopeek_weight=0.1"], "with privacy.nopeek_weight=0.1"),
-    (["planner=smartsplit"], "with activation checkpointing"),
+    (["planner=smartsplit"], "with activation recomputation"),
     (["model=resnet"], "model=resnet at cut 1: devices.runtime=executorch: the device's "
                        "stages hold buffers"),
 ], ids=["unknown-runtime", "ushaped", "local-loss", "fedavg", "activation-noise",
-        "dpsgd", "nopeek", "checkpointing-planner", "batchnorm"])
+        "dpsgd", "nopeek", "recomputing-planner", "batchnorm"])
 def test_what_the_program_cannot_train_is_refused_before_the_run(overrides, message):
     with pytest.raises(ValueError) as err:
         check_config(compose_config(["devices.runtime=executorch", *overrides]))
@@ -43,10 +43,10 @@ def test_what_the_program_cannot_train_is_refused_before_the_run(overrides, mess
 
 @pytest.mark.parametrize("overrides", [
     ["strategy=splitfed_v1"], ["strategy=splitfed_v2"], ["strategy=sglr"], ["strategy=sequential"],
-    ["model=lenet5"], ["planner=greedy"], ["planner=smartsplit", "planner.checkpointing=false"],
+    ["model=lenet5"], ["planner=greedy"], ["planner=smartsplit", "planner.recompute=false"],
     ["+privacy.label_epsilon=2.0"], ["compression=int8"],
 ], ids=["splitfed-v1", "splitfed-v2", "sglr", "sequential", "lenet5", "greedy",
-        "smartsplit-without-checkpointing", "label-dp", "compression"])
+        "smartsplit-without-recomputation", "label-dp", "compression"])
 def test_the_split_protocols_are_accepted_with_the_program(overrides):
     check_config(compose_config(["devices.runtime=executorch", *overrides]))
 
@@ -58,15 +58,15 @@ def executorch_spec(**privacy) -> RunSpec:
 @pytest.mark.parametrize("name", sorted(PROTOCOLS))
 def test_a_device_picks_the_step_its_runtime_names(name):
     protocol = protocol_named(name)
-    assert client_step_type(protocol, RunSpec(), checkpoint=False) is protocol.client
+    assert client_step_type(protocol, RunSpec(), recompute=False) is protocol.client
     if "executorch" not in protocol.capabilities.runtimes:
         with pytest.raises(DeviceFailure, match=f"strategy={name} has another device step"):
-            client_step_type(protocol, executorch_spec(), checkpoint=False)
+            client_step_type(protocol, executorch_spec(), recompute=False)
         return
     # The program is the split step's device side: a protocol may list the runtime only
     # if its device step is the split step.
     assert issubclass(protocol.client, SplitStep)
-    assert client_step_type(protocol, executorch_spec(), checkpoint=False) is ExecuTorchSplitStep
+    assert client_step_type(protocol, executorch_spec(), recompute=False) is ExecuTorchSplitStep
 
 
 def test_every_protocol_whose_device_step_is_the_split_step_runs_on_the_program():
@@ -75,15 +75,15 @@ def test_every_protocol_whose_device_step_is_the_split_step_runs_on_the_program(
     assert served == split and "sglr" in served
 
 
-@pytest.mark.parametrize(("protocol", "spec", "checkpoint", "message"), [
+@pytest.mark.parametrize(("protocol", "spec", "recompute", "message"), [
     ("ushaped", executorch_spec(), False, "strategy=ushaped"),
     ("splitfed_v2", executorch_spec(nopeek_weight=0.5), False, "nopeek_weight=0.5"),
-    ("splitfed_v2", executorch_spec(), True, "activation checkpointing"),
-], ids=["protocol", "nopeek", "checkpoint"])
-def test_a_device_handed_a_round_the_program_cannot_train_refuses_it(protocol, spec, checkpoint,
+    ("splitfed_v2", executorch_spec(), True, "activation recomputation"),
+], ids=["protocol", "nopeek", "recompute"])
+def test_a_device_handed_a_round_the_program_cannot_train_refuses_it(protocol, spec, recompute,
                                                                      message):
     with pytest.raises(DeviceFailure, match=message):
-        client_step_type(protocol_named(protocol), spec, checkpoint=checkpoint)
+        client_step_type(protocol_named(protocol), spec, recompute=recompute)
 
 
 def test_a_device_refuses_stages_with_buffers():

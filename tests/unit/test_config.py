@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from protocols import PROTOCOLS, check_config, compose_config
@@ -21,6 +21,7 @@ from splitlearn.config import (
     ModelConfig,
     PrivacyConfig,
     RunSpec,
+    check_keys,
     decode_spec,
     encode_spec,
     run_spec,
@@ -342,6 +343,25 @@ def test_trunk_tls_reaches_the_run_spec_with_its_ca(tmp_path):
 def test_a_key_added_with_plus_that_no_schema_has_fails_at_composition(overrides, message):
     with pytest.raises(ValueError, match=message):
         compose_config(overrides)
+
+
+@pytest.mark.parametrize("override", [
+    "planner.checkpointing=false", "+planner.checkpointing=false", "++planner.checkpointing=false",
+], ids=["set", "add", "force-add"])
+def test_a_renamed_key_fails_at_composition_naming_the_new_one(override):
+    with pytest.raises(ValueError, match="'planner.checkpointing' was renamed to "
+                                         "'planner.recompute'"):
+        compose_config(["planner=smartsplit", override])
+
+
+def test_a_renamed_key_that_reached_the_config_is_refused_naming_the_new_one():
+    # What ``+planner.checkpointing=false`` leaves under ``@hydra.main`` (experiments.run).
+    cfg = compose_config(["planner=smartsplit"])
+    with open_dict(cfg.planner):
+        cfg.planner.checkpointing = False
+    with pytest.raises(ValueError, match="'planner.checkpointing' was renamed to "
+                                         "'planner.recompute'"):
+        check_keys(cfg)
 
 
 def test_keys_a_schema_declares_open_or_optional_are_accepted_with_plus():

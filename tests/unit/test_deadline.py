@@ -67,7 +67,7 @@ def slow_reference(clients, whole, cuts, *, min_work, deadline):
             chosen.append(None)
             continue
         work = RoundWork.of(client, by_cut[option.cut], trunk_flops_per_s=TRUNK,
-                            checkpoint=option.checkpoint)
+                            recompute=option.recompute)
         fit = [k for k in range(work.batches + 1) if work.client_s(k) <= deadline]
         steps = max(max(fit, default=0), least_steps(work.batches, min_work))
         chosen.append(PartialChoice(option, steps, work.client_s(steps), work.trunk_s(steps)))
@@ -88,7 +88,7 @@ def test_no_deadline_on_a_fine_grid_trains_more_utility_per_second(seed: int) ->
     500 deadlines with the slow reference finds none better, nor is the whole-round
     plan better; every device keeps the solver's cut."""
     clients, cuts, _ = random_instance(1 + seed % 5, 1 + seed % 4, seed=seed)
-    options, _ = candidate_options(clients, cuts, trunk_flops_per_s=TRUNK, allow_checkpoint=True)
+    options, _ = candidate_options(clients, cuts, trunk_flops_per_s=TRUNK, allow_recompute=True)
     whole = choose_options(options, select=None, shared_trunk=True)
     min_work = (0.1, 0.25, 0.5, 1.0)[seed % 4]
     rate, chosen = deadline_choices(clients, whole, cuts, min_work=min_work,

@@ -115,7 +115,7 @@ from protocols import PROTOCOLS
 from clients.steps.executorch import client_step_type
 from splitlearn.config import RunSpec
 for protocol in PROTOCOLS.values():  # every device step the ClientApp may build
-    client_step_type(protocol, RunSpec(), checkpoint=False)
+    client_step_type(protocol, RunSpec(), recompute=False)
 project = ("clients", "server", "strategies", "protocols", "splitlearn", "experiments")
 print(json.dumps({"imported_s": imported_s, "modules": sorted(
     m for m in sys.modules if m.split(".")[0] in project)}))

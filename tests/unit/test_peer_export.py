@@ -34,7 +34,7 @@ def test_the_exported_job_is_the_default_jobs_partitions_test_split_and_weights(
     for partition, (images, labels) in enumerate(job["parts"]):
         # What a ClientApp of the default job trains on for that partition.
         task = ClientRound(protocol_named(cfg.strategy.name), spec, server_round=1,
-                           cut=cfg.model.cut, checkpoint=False, token="", trunk_address="",
+                           cut=cfg.model.cut, recompute=False, token="", trunk_address="",
                            partition_id=partition, num_partitions=cfg.num_clients)
         built = task.dataset().tensors
         assert torch.equal(images, built[0]) and torch.equal(labels, built[1])

@@ -35,7 +35,7 @@ def test_uniform_puts_everyone_at_its_cut_and_excludes_what_does_not_fit() -> No
     clients = [client_state("big", memory=1000), client_state("small", memory=150)]
     plan = UniformPlanner(2).plan(1, clients, cuts, trunk_flops_per_s=1.0)
     assert cuts_of(plan) == {"big": 2}
-    assert not plan.assignments[0].checkpoint
+    assert not plan.assignments[0].recompute
     assert "needs at least 200 bytes" in plan.excluded["small"]
     assert "budget 150 bytes" in plan.excluded["small"]
 
@@ -62,14 +62,14 @@ SERIALISING_CUTS = [
 def test_greedy_ignores_that_the_trunk_serialises() -> None:
     clients = [client_state(f"c{i}") for i in range(4)]
     greedy = GreedyPlanner().plan(1, clients, SERIALISING_CUTS, trunk_flops_per_s=1.0)
-    exact = solve(clients, SERIALISING_CUTS, trunk_flops_per_s=1.0, allow_checkpoint=False)
+    exact = solve(clients, SERIALISING_CUTS, trunk_flops_per_s=1.0, allow_recompute=False)
     assert set(cuts_of(greedy).values()) == {1}
     assert greedy.makespan_s == pytest.approx(1 + 4 * 2)
     assert exact.makespan_s == pytest.approx(4 + 4 * 0.5)
 
 
-def test_greedy_never_checkpoints() -> None:
-    cuts = [cut_cost(1, client_flops=1, server_flops=1, memory=100, checkpointed_memory=10)]
+def test_greedy_never_recomputes() -> None:
+    cuts = [cut_cost(1, client_flops=1, server_flops=1, memory=100, recompute_memory=10)]
     plan = GreedyPlanner().plan(1, [client_state("a", memory=50)], cuts, trunk_flops_per_s=1.0)
     assert plan.assignments == () and "memory" in plan.excluded["a"]
 
@@ -152,7 +152,7 @@ def test_dynsl_replans_exactly() -> None:
     clients, cuts, trunk = random_instance(30, 6, seed=2)
     fresh = [replace(c, current_cut=None) for c in clients]
     plan = DynSLPlanner(every=1).plan(1, fresh, cuts, trunk_flops_per_s=trunk)
-    exact = solve(fresh, cuts, trunk_flops_per_s=trunk, allow_checkpoint=False)
+    exact = solve(fresh, cuts, trunk_flops_per_s=trunk, allow_recompute=False)
     assert plan.makespan_s == pytest.approx(exact.makespan_s, rel=1e-12)
 
 
@@ -186,18 +186,18 @@ def test_smartsplit_random_selection_draws_m_feasible_devices_per_round() -> Non
         SmartSplitPlanner(selection="best")
 
 
-def test_smartsplit_checkpoints_to_fit_a_small_budget_only() -> None:
+def test_smartsplit_recomputes_to_fit_a_small_budget_only() -> None:
     cuts = [
         cut_cost(
             1,
             client_flops=1,
             server_flops=4,
             memory=100,
-            checkpointed_memory=40,
+            recompute_memory=40,
             recompute_flops=0.5,
         ),
         cut_cost(
-            2, client_flops=2, server_flops=2, memory=200, checkpointed_memory=80, recompute_flops=1
+            2, client_flops=2, server_flops=2, memory=200, recompute_memory=80, recompute_flops=1
         ),
     ]
     clients = [
@@ -208,23 +208,23 @@ def test_smartsplit_checkpoints_to_fit_a_small_budget_only() -> None:
     plan = SmartSplitPlanner(select_fraction=1.0).plan(
         1, clients, cuts, trunk_flops_per_s=1.0
     )
-    by_client = {a.client: (a.cut, a.checkpoint) for a in plan.assignments}
+    by_client = {a.client: (a.cut, a.recompute) for a in plan.assignments}
     assert by_client == {"tight": (1, True), "roomy": (2, False)}
-    assert "needs at least 40 bytes (cut 1 with checkpointing)" in plan.excluded["tiny"]
+    assert "needs at least 40 bytes (cut 1 with recomputation)" in plan.excluded["tiny"]
 
 
-def test_smartsplit_checkpoints_when_it_unlocks_a_faster_cut() -> None:
-    # Cut 1 fits plainly; cut 2 fits only checkpointed, and relieves the trunk.
+def test_smartsplit_recomputes_when_it_unlocks_a_faster_cut() -> None:
+    # Cut 1 fits plainly; cut 2 fits only recomputed, and relieves the trunk.
     cuts = [
         cut_cost(1, client_flops=1, server_flops=10, memory=50),
         cut_cost(
-            2, client_flops=2, server_flops=1, memory=200, checkpointed_memory=80, recompute_flops=1
+            2, client_flops=2, server_flops=1, memory=200, recompute_memory=80, recompute_flops=1
         ),
     ]
     plan = SmartSplitPlanner(select_fraction=1.0).plan(
         1, [client_state("a", memory=100)], cuts, trunk_flops_per_s=1.0
     )
-    assert [(a.cut, a.checkpoint) for a in plan.assignments] == [(2, True)]
+    assert [(a.cut, a.recompute) for a in plan.assignments] == [(2, True)]
 
 
 def test_smartsplit_explores_every_device_once_fastest_first() -> None:

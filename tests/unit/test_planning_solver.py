@@ -41,8 +41,8 @@ MAX_COMBOS = 50_000
 def instances(draw: st.DrawFn) -> dict:
     """A random planning problem: clients, cuts and the solver's switches."""
     num_clients = draw(st.integers(1, 6))
-    allow_checkpoint = draw(st.booleans())
-    per_cut = 2 if allow_checkpoint else 1
+    allow_recompute = draw(st.booleans())
+    per_cut = 2 if allow_recompute else 1
     # The largest cut count whose worst case brute force still enumerates quickly.
     max_cuts = max(1, min(6, int(MAX_COMBOS ** (1 / num_clients) / per_cut)))
     num_cuts = draw(st.integers(1, max_cuts))
@@ -61,7 +61,7 @@ def instances(draw: st.DrawFn) -> dict:
                 smashed_bytes_per_sample=draw(st.integers(0, 4)),
                 client_param_bytes=draw(st.integers(0, 4)),
                 memory_bytes=memory,
-                checkpointed_memory_bytes=draw(st.integers(5, memory)),
+                recompute_memory_bytes=draw(st.integers(5, memory)),
             )
         )
     clients = [
@@ -87,7 +87,7 @@ def instances(draw: st.DrawFn) -> dict:
         "cuts": cuts,
         "trunk_flops_per_s": draw(st.sampled_from([0.5, 1.0, 4.0])),
         "select": draw(st.none() | st.integers(0, num_clients + 1)),
-        "allow_checkpoint": allow_checkpoint,
+        "allow_recompute": allow_recompute,
         "min_cut": min_cut,
         "forbidden_cuts": forbidden,
         "shared_trunk": draw(st.booleans()),
@@ -100,7 +100,7 @@ def predicted_makespan(plan: Plan, instance: dict) -> float:
     by_id = {c.client: c for c in instance["clients"]}
     pairs = [
         (
-            client_seconds(by_id[a.client], by_cut[a.cut], checkpoint=a.checkpoint),
+            client_seconds(by_id[a.client], by_cut[a.cut], recompute=a.recompute),
             trunk_seconds(
                 by_id[a.client], by_cut[a.cut], trunk_flops_per_s=instance["trunk_flops_per_s"]
             ),
@@ -111,9 +111,9 @@ def predicted_makespan(plan: Plan, instance: dict) -> float:
 
 
 def can_fit(client: ClientState, instance: dict) -> bool:
-    modes = (False, True) if instance["allow_checkpoint"] else (False,)
+    modes = (False, True) if instance["allow_recompute"] else (False,)
     return any(
-        fits(client, c, checkpoint=m)
+        fits(client, c, recompute=m)
         for c in instance["cuts"]
         for m in modes
         if (instance["min_cut"] is None or c.cut >= instance["min_cut"])
@@ -144,10 +144,10 @@ def test_plan_respects_memory_floor_and_selection(instance: dict) -> None:
     by_cut = {c.cut: c for c in instance["cuts"]}
     by_id = {c.client: c for c in instance["clients"]}
     for a in plan.assignments:
-        assert fits(by_id[a.client], by_cut[a.cut], checkpoint=a.checkpoint)
+        assert fits(by_id[a.client], by_cut[a.cut], recompute=a.recompute)
         assert instance["min_cut"] is None or a.cut >= instance["min_cut"]
         assert a.cut not in instance["forbidden_cuts"]
-        assert instance["allow_checkpoint"] or not a.checkpoint
+        assert instance["allow_recompute"] or not a.recompute
     assert math.isclose(plan.makespan_s, predicted_makespan(plan, instance), rel_tol=1e-12)
 
     feasible = [c.client for c in instance["clients"] if can_fit(c, instance)]
@@ -170,38 +170,38 @@ def test_plan_respects_memory_floor_and_selection(instance: dict) -> None:
 
 def test_memory_reason_names_the_least_memory_needed() -> None:
     cuts = [
-        cut_cost(1, client_flops=1, server_flops=1, memory=300, checkpointed_memory=120),
-        cut_cost(2, client_flops=1, server_flops=1, memory=200, checkpointed_memory=150),
+        cut_cost(1, client_flops=1, server_flops=1, memory=300, recompute_memory=120),
+        cut_cost(2, client_flops=1, server_flops=1, memory=200, recompute_memory=150),
     ]
     clients = [client_state("small", memory=100)]
-    plain = solve(clients, cuts, trunk_flops_per_s=1.0, allow_checkpoint=False)
+    plain = solve(clients, cuts, trunk_flops_per_s=1.0, allow_recompute=False)
     assert plain.excluded["small"] == (
         "no cut fits its memory: needs at least 200 bytes (cut 2), budget 100 bytes"
     )
-    checkpointed = solve(clients, cuts, trunk_flops_per_s=1.0)
-    assert "needs at least 120 bytes (cut 1 with checkpointing)" in checkpointed.excluded["small"]
+    recomputed = solve(clients, cuts, trunk_flops_per_s=1.0)
+    assert "needs at least 120 bytes (cut 1 with recomputation)" in recomputed.excluded["small"]
 
 
-def test_checkpointing_is_used_only_when_it_is_the_way_to_fit() -> None:
+def test_recomputation_is_used_only_when_it_is_the_way_to_fit() -> None:
     cuts = [
         cut_cost(
-            1, client_flops=1, server_flops=5, memory=100, checkpointed_memory=40, recompute_flops=1
+            1, client_flops=1, server_flops=5, memory=100, recompute_memory=40, recompute_flops=1
         )
     ]
     tight = solve([client_state("a", memory=50)], cuts, trunk_flops_per_s=1.0)
     roomy = solve([client_state("a", memory=500)], cuts, trunk_flops_per_s=1.0)
-    assert tight.assignments[0].checkpoint and not roomy.assignments[0].checkpoint
+    assert tight.assignments[0].recompute and not roomy.assignments[0].recompute
     assert tight.makespan_s == pytest.approx(2 + 5)
     assert roomy.makespan_s == pytest.approx(1 + 5)
 
 
-def test_ties_prefer_no_checkpoint_then_current_cut_then_smaller_cut() -> None:
-    # Identical costs everywhere, and checkpointing recomputes nothing: all ties.
+def test_ties_prefer_no_recomputation_then_current_cut_then_smaller_cut() -> None:
+    # Identical costs everywhere, and recomputation costs nothing: all ties.
     cuts = [cut_cost(c, client_flops=1, server_flops=1, memory=10) for c in (1, 2, 3)]
     plan = solve(
         [client_state("new"), client_state("held", current_cut=3)], cuts, trunk_flops_per_s=1.0
     )
-    assert {a.client: (a.cut, a.checkpoint) for a in plan.assignments} == {
+    assert {a.client: (a.cut, a.recompute) for a in plan.assignments} == {
         "new": (1, False),
         "held": (3, False),
     }

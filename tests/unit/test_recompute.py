@@ -1,6 +1,6 @@
-"""Activation checkpointing on the device, its memory model, and the memory meter.
+"""Activation recomputation on the device, its memory model, and the memory meter.
 
-Checkpointed training is held to plain training (gradients, weights, BatchNorm
+Recomputed training is held to plain training (gradients, weights, BatchNorm
 buffers, dropout masks); the meter is held to the estimate it measures, and the
 cost table to the stage costs it is built from.
 """
@@ -61,12 +61,12 @@ def bn_dropout_model(seed: int = 0) -> SplittableModel:
     return SplittableModel(stages, input_shape=(1, 8, 8), num_classes=10)
 
 
-def make_step(kind: str, model: SplittableModel, cut: int, *, checkpoint: bool) -> ClientStep:
+def make_step(kind: str, model: SplittableModel, cut: int, *, recompute: bool) -> ClientStep:
     if kind == "local_loss":
         spec = RunSpec(strategy=LocalLossOptions(lr=0.1, momentum=0.9, bulk=True))
-        return LocalLossStep(model, spec, cut=cut, checkpoint=checkpoint)
+        return LocalLossStep(model, spec, cut=cut, recompute=recompute)
     step_class = {"split": SplitStep, "whole": WholeModelStep}[kind]
-    return step_class(model, plain_spec(0.1, momentum=0.9), cut=cut, checkpoint=checkpoint)
+    return step_class(model, plain_spec(0.1, momentum=0.9), cut=cut, recompute=recompute)
 
 
 def train(step: ClientStep, batches: list[tuple[Tensor, Tensor]], *, seed: int = 0) -> None:
@@ -81,7 +81,7 @@ def train(step: ClientStep, batches: list[tuple[Tensor, Tensor]], *, seed: int =
         step.train_batch(inputs, labels, channel, optimizer)  # type: ignore[arg-type]
 
 
-# ---------------------------------------------------------------- checkpointed == plain
+# ---------------------------------------------------------------- recomputed == plain
 
 
 @pytest.mark.parametrize(("kind", "network", "cut"), [
@@ -89,19 +89,19 @@ def train(step: ClientStep, batches: list[tuple[Tensor, Tensor]], *, seed: int =
     # Cuts after a ReLU: the split step masks it and frees the output it sent.
     ("split", "resnet", 1), ("split", "resnet", 2),
 ])
-def test_checkpointed_step_equals_the_plain_step(kind: str, network: str, cut: int) -> None:
+def test_recomputed_step_equals_the_plain_step(kind: str, network: str, cut: int) -> None:
     # One batch more than are measured: the meter's hooks and plain autograd both covered.
     batches = fixed_batches(ClientStep.measured_batches + 1, batch=BATCH)
     model = bn_dropout_model() if network == "bn_dropout" else digits_like_model(network)
-    plain = make_step(kind, copy.deepcopy(model), cut, checkpoint=False)
-    checkpointed = make_step(kind, copy.deepcopy(model), cut, checkpoint=True)
+    plain = make_step(kind, copy.deepcopy(model), cut, recompute=False)
+    recomputed = make_step(kind, copy.deepcopy(model), cut, recompute=True)
     train(plain, batches)
-    train(checkpointed, batches)
-    expected, got = plain.trained().state_dict(), checkpointed.trained().state_dict()
+    train(recomputed, batches)
+    expected, got = plain.trained().state_dict(), recomputed.trained().state_dict()
     assert expected.keys() == got.keys()
     for key in expected:  # weights, BN running statistics, num_batches_tracked
         torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=1e-7, msg=key)
-    grads = zip(plain.trained().parameters(), checkpointed.trained().parameters(), strict=True)
+    grads = zip(plain.trained().parameters(), recomputed.trained().parameters(), strict=True)
     for p, q in grads:
         assert p.grad is not None and q.grad is not None
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7)
@@ -109,70 +109,70 @@ def test_checkpointed_step_equals_the_plain_step(kind: str, network: str, cut: i
 
 def test_recomputation_does_not_update_batchnorm_twice() -> None:
     model, batches = bn_dropout_model(), fixed_batches(3, batch=BATCH)
-    step = make_step("split", model, 2, checkpoint=True)
+    step = make_step("split", model, 2, recompute=True)
     train(step, batches)
     tracked = [m.num_batches_tracked for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     assert [int(t) for t in tracked] == [len(batches)] * 2
 
 
-def test_every_step_takes_the_checkpoint_option_and_estimates_with_it() -> None:
+def test_every_step_takes_the_recompute_option_and_estimates_with_it() -> None:
     model, batch = digits_like_model("resnet"), 32
-    split = SplitStep(model, plain_spec(0.1), cut=3, checkpoint=True)
+    split = SplitStep(model, plain_spec(0.1), cut=3, recompute=True)
     assert split.memory_bytes(batch) == client_train_memory_bytes(
-        model, 3, batch_size=batch, checkpoint=True, frees_output=True)
+        model, 3, batch_size=batch, recompute=True, frees_output=True)
     assert split.memory_bytes(batch) < SplitStep(model, plain_spec(0.1), cut=3).memory_bytes(batch)
     ushaped_spec = RunSpec(strategy=UShapedOptions(lr=0.1, momentum=0.0, tail_cut=4))
     local_spec = RunSpec(strategy=LocalLossOptions(lr=0.1, bulk=True))
-    for make in (lambda ck: UShapedStep(model, ushaped_spec, cut=3, checkpoint=ck),
-                 lambda ck: LocalLossStep(model, local_spec, cut=3, checkpoint=ck),
-                 lambda ck: WholeModelStep(model, plain_spec(0.1), cut=3, checkpoint=ck)):
-        assert make(True).checkpoint and not make(False).checkpoint
+    for make in (lambda rc: UShapedStep(model, ushaped_spec, cut=3, recompute=rc),
+                 lambda rc: LocalLossStep(model, local_spec, cut=3, recompute=rc),
+                 lambda rc: WholeModelStep(model, plain_spec(0.1), cut=3, recompute=rc)):
+        assert make(True).recompute and not make(False).recompute
         assert make(True).memory_bytes(batch) < make(False).memory_bytes(batch)
 
 
 # ---------------------------------------------------------------- measured vs estimated
 
 
-@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("cut", [1, 2, 4])
-def test_measured_peak_is_within_the_estimate(cut: int, checkpoint: bool) -> None:
+def test_measured_peak_is_within_the_estimate(cut: int, recompute: bool) -> None:
     model = digits_like_model("resnet")
-    step = make_step("split", model, cut, checkpoint=checkpoint)
+    step = make_step("split", model, cut, recompute=recompute)
     train(step, fixed_batches(2, batch=BATCH))
     estimate = step.memory_bytes(BATCH)
     assert 0 < step.peak_memory_bytes <= estimate
     # The estimate is per stage what autograd saves, so it is tight: the rest is
     # BatchNorm's batch statistics counted for every stage although a
-    # checkpointed backward rebuilds one stage at a time.
+    # recomputing backward rebuilds one stage at a time.
     assert estimate <= 1.01 * step.peak_memory_bytes
 
 
 def test_measured_whole_model_peak_is_within_the_estimate() -> None:
     model = digits_like_model("resnet")
-    step = make_step("whole", model, 1, checkpoint=False)
+    step = make_step("whole", model, 1, recompute=False)
     train(step, fixed_batches(2, batch=BATCH))
     assert step.peak_memory_bytes <= step.memory_bytes(BATCH) <= 1.01 * step.peak_memory_bytes
 
 
-def test_checkpointing_lowers_the_measured_peak_of_a_deep_bottom() -> None:
+def test_recomputation_lowers_the_measured_peak_of_a_deep_bottom() -> None:
     peaks = {}
-    for checkpoint in (False, True):
-        step = make_step("split", digits_like_model("resnet"), 4, checkpoint=checkpoint)
+    for recompute in (False, True):
+        step = make_step("split", digits_like_model("resnet"), 4, recompute=recompute)
         train(step, fixed_batches(2, batch=BATCH))
-        peaks[checkpoint] = step.peak_memory_bytes
+        peaks[recompute] = step.peak_memory_bytes
     assert peaks[True] < 0.9 * peaks[False]
 
 
 def test_a_freed_output_and_a_masked_relu_lower_the_peak_at_a_relu_cut() -> None:
     """At cut 1 (conv, BatchNorm, ReLU) the plain step holds the input, the BatchNorm's
-    input and the output; checkpointed, at most the input and one of the other two
+    input and the output; recomputed, at most the input and one of the other two
     (and a one-byte mask): about the output's bytes less."""
     model = digits_like_model("resnet")
     peaks = {}
-    for checkpoint in (False, True):
-        step = make_step("split", copy.deepcopy(model), 1, checkpoint=checkpoint)
+    for recompute in (False, True):
+        step = make_step("split", copy.deepcopy(model), 1, recompute=recompute)
         train(step, fixed_batches(2, batch=BATCH))
-        peaks[checkpoint] = step.peak_memory_bytes
+        peaks[recompute] = step.peak_memory_bytes
     output_bytes = BATCH * model.stage_costs()[0].activation_bytes_per_sample
     assert peaks[True] <= peaks[False] - 0.7 * output_bytes
     masked = [m for m in model.modules() if isinstance(m, MaskReLU)]
@@ -255,7 +255,7 @@ def test_meter_sees_the_tensors_a_layer_saves() -> None:
 
 
 def test_only_the_first_batches_of_a_round_are_measured() -> None:
-    step = make_step("split", digits_like_model("resnet"), 2, checkpoint=False)
+    step = make_step("split", digits_like_model("resnet"), 2, recompute=False)
     measured: list[MemoryMeter] = []
     original = MemoryMeter.__enter__
 
@@ -283,14 +283,14 @@ def test_cut_costs_follow_the_stage_costs() -> None:
         client, server = costs[:cut], costs[cut:]
         forward = sum(c.flops_per_sample for c in client)
         assert row.client_flops_per_sample == TRAIN_TO_FORWARD_FLOPS * forward
-        # Checkpointing rebuilds every stage but the last (which runs plain).
+        # Recomputation rebuilds every stage but the last (which runs plain).
         assert row.recompute_flops_per_sample == sum(c.flops_per_sample for c in client[:-1])
         assert row.server_flops_per_sample == 3 * sum(c.flops_per_sample for c in server)
         assert row.smashed_bytes_per_sample == costs[cut - 1].activation_bytes_per_sample
         assert row.client_param_bytes == 4 * sum(c.params for c in client)
         assert row.memory_bytes == client_train_memory_bytes(model, cut, batch_size=BATCH)
-        assert row.checkpointed_memory_bytes == client_train_memory_bytes(
-            model, cut, batch_size=BATCH, checkpoint=True)
+        assert row.recompute_memory_bytes == client_train_memory_bytes(
+            model, cut, batch_size=BATCH, recompute=True)
         assert row.leak is None
     assert table[1].leak == 0.5
 
@@ -302,8 +302,8 @@ def test_a_step_that_frees_its_output_has_the_last_stage_rebuilt_in_the_table() 
     for row in table:
         client = costs[:row.cut]
         assert row.recompute_flops_per_sample == sum(c.flops_per_sample for c in client)
-        assert row.checkpointed_memory_bytes == SplitStep(
-            copy.deepcopy(model), plain_spec(0.1), cut=row.cut, checkpoint=True
+        assert row.recompute_memory_bytes == SplitStep(
+            copy.deepcopy(model), plain_spec(0.1), cut=row.cut, recompute=True
         ).memory_bytes(BATCH)
         assert row.memory_bytes == client_train_memory_bytes(model, row.cut, batch_size=BATCH)
 
@@ -332,8 +332,8 @@ def test_a_ushaped_cost_table_puts_the_tail_on_the_device() -> None:
             c.params for c in [*costs[:row.cut], *tail])
         spec = RunSpec(strategy=UShapedOptions(tail_cut=tail_cut))
         assert row.memory_bytes == UShapedStep(model, spec, cut=row.cut).memory_bytes(BATCH)
-        assert row.checkpointed_memory_bytes == UShapedStep(
-            copy.deepcopy(model), spec, cut=row.cut, checkpoint=True).memory_bytes(BATCH)
+        assert row.recompute_memory_bytes == UShapedStep(
+            copy.deepcopy(model), spec, cut=row.cut, recompute=True).memory_bytes(BATCH)
         assert (row.exchanges_per_batch, split_row.exchanges_per_batch) == (2, 1)
 
 
