@@ -61,7 +61,7 @@ def build_planner(cfg: PlannerConfig, cuts: Sequence[CutCost], *, shared_trunk: 
                        "min_work": cfg.min_work,
                        "exploration": cfg.exploration,
                        "straggler_penalty": cfg.straggler_penalty, "selection": cfg.selection,
-                       "seed": seed},
+                       "seed": seed, "allow_recompute": cfg.recompute},
         "oracle": {"allow_recompute": cfg.recompute},
         "rotate": {},
     }

@@ -386,6 +386,10 @@ class SmartSplitPlanner(FlooredPlanner):
         the scoring buys.
     seed : int
         Seed of the random selection.
+    allow_recompute : bool
+        Whether a device may be asked to recompute its activations (to fit, or to
+        reach a faster cut); ``planner.recompute``. Without it, (a) excludes every
+        device that fits no cut as it is.
     min_cut, forbidden_cuts
         The privacy floor.
     shared_trunk : bool
@@ -402,6 +406,7 @@ class SmartSplitPlanner(FlooredPlanner):
         min_work: float | None = None,
         selection: str = "utility",
         seed: int = 0,
+        allow_recompute: bool = True,
         min_cut: int | None = None,
         forbidden_cuts: Collection[int] = frozenset(),
         shared_trunk: bool = True,
@@ -423,6 +428,7 @@ class SmartSplitPlanner(FlooredPlanner):
             raise ValueError(f"selection must be 'utility' or 'random', got {selection!r}")
         self.selection = selection
         self.seed = seed
+        self.allow_recompute = allow_recompute
         self.select_fraction = select_fraction
         self.exploration = exploration
         self.straggler_penalty = straggler_penalty
@@ -454,7 +460,8 @@ class SmartSplitPlanner(FlooredPlanner):
     ) -> Plan:
         """Select the ``m`` best-scored devices and solve their cuts (see :class:`Planner`)."""
         options, excluded = self.options(
-            clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_recompute=True
+            clients, cuts, trunk_flops_per_s=trunk_flops_per_s,
+            allow_recompute=self.allow_recompute,
         )
         feasible = [i for i, opts in enumerate(options) if opts]
         best: tuple[float, set[int], list[Option | None], list[PartialChoice | None] | None]

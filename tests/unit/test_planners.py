@@ -213,6 +213,23 @@ def test_smartsplit_recomputes_to_fit_a_small_budget_only() -> None:
     assert "needs at least 40 bytes (cut 1 with recomputation)" in plan.excluded["tiny"]
 
 
+def test_smartsplit_without_recompute_asks_no_device_to_recompute() -> None:
+    # planner.recompute=false: the device that fits only recomputed is left out, the
+    # one that fits cut 2 recomputed (faster) trains at cut 1 as it is.
+    cuts = [
+        cut_cost(1, client_flops=1, server_flops=10, memory=50),
+        cut_cost(
+            2, client_flops=2, server_flops=1, memory=200, recompute_memory=30, recompute_flops=1
+        ),
+    ]
+    clients = [client_state("a", memory=100), client_state("tight", memory=40)]
+    plan = SmartSplitPlanner(select_fraction=1.0, allow_recompute=False).plan(
+        1, clients, cuts, trunk_flops_per_s=1.0
+    )
+    assert [(a.client, a.cut, a.recompute) for a in plan.assignments] == [("a", 1, False)]
+    assert "tight" in plan.excluded
+
+
 def test_smartsplit_recomputes_when_it_unlocks_a_faster_cut() -> None:
     # Cut 1 fits plainly; cut 2 fits only recomputed, and relieves the trunk.
     cuts = [
