@@ -1,8 +1,9 @@
 """Devices that lie: poisoning attacks on the shared trunk, and what the defences leave of them.
 
-A run of the real strategy, ClientApp and trunk in this process (:mod:`experiments.local`)
-in which chosen devices lie. Each attack is a small class saying what a lying device
-changes and which defence should stop it:
+A run of the real strategy, ClientApp and trunk in this process (:mod:`experiments.local`;
+with ``dataplane.trunk_workers`` > 1 the trunk in its worker processes) in which chosen
+devices lie. Each attack is a small class saying what a lying device changes and which
+defence should stop it:
 
 ``extreme_activations`` (:class:`ExtremeActivations`), ``scaled_activations``
 (:class:`ScaledActivations`), ``label_flip`` (:class:`LabelFlip`), ``scaled_weights``
@@ -45,7 +46,8 @@ from clients.app import ChannelFactory, build_client_app
 from server.app import SplitRuntime
 from server.trunk import Trunk
 from splitlearn.config import GuardConfig, RunSpec
-from splitlearn.dataplane import InProcessTransport, TrunkChannel, TrunkEndpoint, TrunkRejected
+from splitlearn.dataplane import TrunkChannel, TrunkRejected
+from splitlearn.dataplane.channel import Transport
 from splitlearn.messages import record_to_state, state_to_record
 
 # --- the attacks -------------------------------------------------------------------------
@@ -56,7 +58,10 @@ class TrunkView:
     """What a lying device knows of the trunk: the fixed bound, and the guard's (adaptive).
 
     An adaptive attacker is assumed to know the guard's current bounds exactly (the
-    strongest assumption: a real one would have to probe them with refused frames).
+    strongest assumption: a real one would have to probe them with refused frames). With
+    trunk workers (``dataplane.trunk_workers`` > 1) ``trunk`` is the ServerApp's: its guard
+    is seeded as the workers' are but sees no device's rows, so its bounds come from the
+    server's rows alone (a worker's, also from the rows its devices sent).
     """
 
     trunk: Trunk
@@ -318,7 +323,7 @@ class WatchedChannel(TrunkChannel):
         Where refusals are counted.
     """
 
-    def __init__(self, transport: InProcessTransport, *, attack: Attack | None, view: TrunkView,
+    def __init__(self, transport: Transport, *, attack: Attack | None, view: TrunkView,
                  device: int, refusals: Refusals, **kwargs: Any) -> None:
         super().__init__(transport, **kwargs)
         self.attack, self.view, self.device, self.refusals = attack, view, device, refusals
@@ -396,16 +401,21 @@ class WatchedChannel(TrunkChannel):
 _serving = threading.local()
 
 
-def watched_channels(endpoint: TrunkEndpoint, *, attack: Attack | None, view: TrunkView,
+def watched_channels(channels: ChannelFactory, *, attack: Attack | None, view: TrunkView,
                      refusals: Refusals) -> ChannelFactory:
-    """Open each session on ``endpoint`` in process through a :class:`WatchedChannel`."""
+    """Open each session as the run does (``channels``), through a :class:`WatchedChannel`.
+
+    The run's own channel brings the transport: in process to the trunk, or over gRPC to
+    the trunk worker the session was dealt to (``dataplane.trunk_workers`` > 1).
+    """
 
     def open_channel(address: str, token: str, spec: RunSpec, *,
                      proof: bytes | None = None) -> TrunkChannel:
+        opened = channels(address, token, spec, proof=proof)
         return WatchedChannel(
-            InProcessTransport(endpoint, token, proof=proof), attack=attack, view=view,
+            opened.transport, attack=attack, view=view,
             device=getattr(_serving, "partition", -1), refusals=refusals,
-            reply_timeout_s=spec.reply_timeout_s, max_frame_bytes=spec.max_frame_bytes,
+            reply_timeout_s=opened.reply_timeout_s, max_frame_bytes=opened.max_frame_bytes,
             compression=spec.compression)
 
     return open_channel
@@ -448,13 +458,10 @@ def lying_fleet(attack: Attack, liars: Sequence[int], refusals: Refusals
     """Return :func:`experiments.local.run_local`'s ``client_app``: a fleet with liars."""
 
     def build(channels: ChannelFactory, runtime: SplitRuntime) -> LyingFleet:
-        if runtime.workers is not None:
-            raise ValueError("the poisoning suite needs the trunk in process "
-                             "(dataplane.trunk_workers=1)")
         view = TrunkView(runtime.trunk, runtime.cfg.dataplane.max_abs_value)
 
         def app(lies: Attack | None) -> ClientApp:
-            return build_client_app(watched_channels(runtime.endpoint, attack=lies, view=view,
+            return build_client_app(watched_channels(channels, attack=lies, view=view,
                                                      refusals=refusals))
 
         return LyingFleet(app(None), app(attack), attack=attack, liars=liars)

@@ -17,6 +17,7 @@ import math
 import shlex
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -394,8 +395,7 @@ class RoundReporter:
         metrics |= {"test_accuracy": accuracy, "test_loss": loss, "evaluate_s": evaluate_s,
                     "wall_s": time.perf_counter() - self.started}
         metrics |= self._advance_clock(outcome, rows)
-        if (guard := self.runtime.trunk.guard) is not None:
-            metrics |= guard.take_books()  # refused frames, clipped steps, quarantined devices
+        metrics |= self._guard_books()  # refused frames, clipped steps, quarantined devices
         if usage := memory_usage(rows):
             metrics["memory_over_budget"] = usage  # measured peak / budget, worst client
         planning = self.runtime.planning
@@ -415,16 +415,28 @@ class RoundReporter:
         return MetricRecord({"test-accuracy": accuracy, "test-loss": loss})
 
     def _seed_guard(self, joined: SplittableModel, deployed: nn.Module) -> None:
-        """Calibrate the trunk's guard on what honest devices send this round.
+        """Calibrate the trunk's guard, and every trunk worker's, on this round's reference.
 
-        The rows the round's model gives the server's own held-out examples at every cut
-        in play (and a device tail's gradient): no device can bias them, and the bounds
-        hold from a round's first frame, with no warm-up an attacker could use. Trunk
-        workers (other processes) calibrate from the rows they see.
+        The bounds then hold from a round's first frame, with no warm-up an attacker could
+        use, wherever the trunk runs: a worker's guard would otherwise calibrate from the
+        rows its devices send first.
         """
         guard = self.runtime.trunk.guard
-        if guard is None or self.runtime.workers is not None:
+        if guard is None:
             return
+        rows = self._reference_rows(joined, deployed)
+        guard.seed_all(rows)
+        if self.runtime.workers is not None:
+            self.runtime.workers.seed_guards(rows)
+
+    def _reference_rows(self, joined: SplittableModel, deployed: nn.Module
+                        ) -> dict[tuple[str, int], torch.Tensor]:
+        """Return what honest devices send this round, by (kind, cut) (:func:`reference_rows`).
+
+        The rows the round's model gives the server's own held-out examples at every cut
+        in play (and a device tail's gradient), released or noised as devices send them:
+        no device can bias them.
+        """
         planning, spec = self.runtime.planning, self.runtime.spec
         inputs, labels = next(iter(self.test_loader))
         count = min(len(inputs), REFERENCE_ROWS)
@@ -444,8 +456,21 @@ class RoundReporter:
                 batch = spec.strategy.batch_size  # rows are scaled per example, as devices do
                 rows |= {key: noise(value * batch) / batch for key, value in rows.items()
                          if key[0] == "gradient"}
-        for (what, cut), values in rows.items():
-            guard.seed(what, cut, values)
+        return rows
+
+    def _guard_books(self) -> dict[str, int]:
+        """Return the round's guard counts: the trunk's and every trunk worker's, added up.
+
+        A device dealt to a worker is refused and quarantined by that worker's guard; its
+        ``clients.csv`` row says so as a local one's does (its reply carries the refusal).
+        """
+        guard = self.runtime.trunk.guard
+        if guard is None:
+            return {}
+        books = Counter(guard.take_books())
+        if self.runtime.workers is not None:
+            books.update(self.runtime.workers.take_guard_books())
+        return dict(books)
 
     def _evaluate(self, deployed: nn.Module) -> tuple[float, float]:
         # In the trunk's layout (1.6x faster for the SmallCNN alone; `deployed` is the

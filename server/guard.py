@@ -14,7 +14,8 @@ every other device's batches were refused ``STEP_NOT_FINITE`` from then on. A
   it picks its values (a quantile or a mean, which such a device can drag, would let
   the bound drift with it). Until ``min_rows`` rows were seen at a cut only the
   fixed bound applies, unless the run seeds the statistics (the ServerApp seeds them
-  each round from its held-out data through the current device side: :meth:`seed`).
+  each round from its held-out data through the current device side, in its own trunk
+  and in every trunk worker: :meth:`seed`).
 * **Returned gradients** (U-shaped) are heavy-tailed: once the model is confident, a
   misclassified example's row is ~100 times the median row, so no factor of the median
   fits them. Once seeded, their bound is ``seed_factor`` times the largest row the
@@ -46,7 +47,7 @@ import math
 import threading
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -262,6 +263,11 @@ class TrunkGuard:
             window.add(norms.tolist())
             if len(norms):  # this round's reference replaces the last one's
                 self._seeded[what, cut] = float(norms.max())
+
+    def seed_all(self, rows: Mapping[tuple[str, int], Tensor]) -> None:
+        """Seed every ``(what, cut)`` of :func:`reference_rows`'s rows (see :meth:`seed`)."""
+        for (what, cut), values in rows.items():
+            self.seed(what, cut, values)
 
     def bound(self, what: str, cut: int) -> float | None:
         """Return the current bound on a row's norm at ``cut`` (None: not calibrated yet)."""

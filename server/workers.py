@@ -17,6 +17,13 @@ checkpoints, resume) and is copied to the workers before the next sessions start
 With one client per worker and no momentum a round is exactly SplitFed v1's; with
 one worker it would be SplitFed v2's (that case runs in the ServerApp's process).
 
+Each worker's trunk has its own guard (:mod:`server.guard`). Every round the ServerApp
+seeds each with the reference rows it seeds its own with (:meth:`TrunkWorkers.seed_guards`),
+so their bounds hold from the round's first frame too, and adds their counts of refused
+frames, clipped steps and quarantined devices to the round's metrics
+(:meth:`TrunkWorkers.take_guard_books`). A device is quarantined by the worker it was
+dealt to, for the round (each round deals it to one).
+
 With error feedback (``dataplane.compression.error_feedback``) each worker keeps the
 memory of the clients it served; a client dealt to another worker in a later round (the
 round's clients differ) has its memory moved there first, so it carries on where it was.
@@ -165,6 +172,15 @@ class WorkerCommands:
     def refusals(self) -> dict[str, int]:
         """Frames this worker's endpoint refused, by reason."""
         return dict(self.endpoint.refusals)
+
+    def seed_guard(self, data: bytes) -> None:
+        """Seed the trunk's guard with the ServerApp's reference rows (none: no guard)."""
+        if self.trunk.guard is not None:
+            self.trunk.guard.seed_all(unpack(data))
+
+    def guard_books(self) -> dict[str, int]:
+        """Return the guard's counts since the last call and reset them (none: no guard)."""
+        return {} if self.trunk.guard is None else self.trunk.guard.take_books()
 
 
 def set_up_trunk_process(dataplane: DataPlaneConfig) -> None:
@@ -404,6 +420,23 @@ class TrunkWorkers:
         )
         self._stale = True
         return client_stages(merged, current, clients, upto=upto)
+
+    def seed_guards(self, rows: Mapping[tuple[str, int], Tensor]) -> None:
+        """Seed every worker's guard with this round's reference rows.
+
+        Each worker's guard would otherwise calibrate from the rows its own devices send
+        first, a warm-up a device striking first could shape (see :mod:`server.guard`).
+        """
+        data = pack(dict(rows))
+        for worker in self._workers:
+            worker.call("seed_guard", data)
+
+    def take_guard_books(self) -> Counter[str]:
+        """Return every worker's guard counts since the last call, added up; reset them."""
+        total: Counter[str] = Counter()
+        for worker in self._workers:
+            total.update(worker.call("guard_books"))
+        return total
 
     def refusals(self) -> Counter[str]:
         """Frames refused by every worker, by reason."""

@@ -3,7 +3,8 @@
 Directly: real worker processes serving gRPC, each client's gradient against the same
 step on a copy of the trunk, the merge against the average of those copies (weights
 and momentum), revocation reaching the workers, the merged trunk reaching them before
-the next sessions, and no process left behind. Through Flower's Simulation Engine: with
+the next sessions, the server's reference rows reaching their guards and their guards'
+books coming back, and no process left behind. Through Flower's Simulation Engine: with
 one client per worker and no momentum, a run is SplitFed v1's (a trunk copy per client
 merged by samples), round by round.
 """
@@ -159,6 +160,26 @@ def test_a_client_dealt_to_another_worker_brings_its_error_feedback_along():
                 assert sent.versions == [2 * server_round - 2, 2 * server_round - 1]
             tokens.revoke_round(server_round)
         assert dealt[2]["a"] == dealt[1]["b"] != dealt[1]["a"] == dealt[2]["b"]
+
+
+def test_every_workers_guard_is_seeded_and_its_books_are_taken():
+    """The reference rows reach each worker's guard before any device's: a frame of rows
+    far beyond them (inside the fixed bound) is refused by whichever worker it is dealt
+    to, and those refusals come back in the workers' books, once."""
+    with two_workers() as workers:
+        trunk, tokens = workers.trunk, workers.tokens
+        acts, labels = batch_at_cut(trunk, 0, size=32)
+        workers.seed_guards({("activations", CUT): acts})
+        for client in ("a", "b"):  # dealt to workers 0 and 1
+            token = tokens.issue(client=client, protocol="splitfed_v2", cut=CUT,
+                                 server_round=1, ttl_s=60)
+            with (closing(channel(workers.route(token), token)) as ch,
+                  pytest.raises(TrunkRejected) as refused):
+                ch.forward(100 * acts, labels)
+            assert refused.value.reason == "OUT_OF_RANGE"
+        assert workers.take_guard_books() == {"guard_refused": 2, "guard_loss_refused": 0,
+                                              "guard_clipped": 0, "guard_quarantined": 0}
+        assert workers.take_guard_books()["guard_refused"] == 0
 
 
 def test_a_worker_that_dies_is_reported_with_its_pid(workers):
