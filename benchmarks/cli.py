@@ -28,6 +28,12 @@
     evaluation, what happens between rounds (``--repeats`` runs, each beside one
     without W&B and checkpoints); see :mod:`benchmarks.rounds`.
 
+``defences``
+    The trunk's defences (its guard, capped example counts) on against off in honest
+    runs of the default job and ``+scenario=heterogeneous``, alternating, ``--repeats``
+    each: final accuracy, seconds per round, what the guard refused; see
+    :mod:`benchmarks.defences`.
+
 ``communication``
     Bytes per training sample of every protocol against FedAvg: measured runs
     against the closed forms, and who wins where as the model and the data per
@@ -388,6 +394,13 @@ def bench_communication_suite(overrides: Sequence[str]) -> None:
     bench_communication(overrides)
 
 
+def bench_defences_suite(overrides: Sequence[str], *, repeats: int = 3) -> None:
+    """Honest runs with the trunk's defences on and off (:mod:`benchmarks.defences`)."""
+    from benchmarks.defences import bench_defences
+
+    bench_defences(overrides, repeats=repeats)
+
+
 def bench_executorch_rounds_suite(overrides: Sequence[str]) -> None:
     """Time ClientApp rounds in ExecuTorch vs eager (:mod:`benchmarks.executorch_rounds`)."""
     from benchmarks.executorch_rounds import main as rounds
@@ -435,6 +448,7 @@ def bench_allocator_suite(overrides: Sequence[str]) -> None:
 
 
 BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
+              "defences": bench_defences_suite,
               "compression": bench_compression_suite, "communication": bench_communication_suite,
               "latency": bench_latency_suite, "scale": bench_scale_suite,
               "clock": bench_clock, "memory": bench_memory, "planner": bench_planner_suite,
@@ -454,7 +468,8 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides")
     parser.add_argument("--seeds", type=int, default=3, help="planner, compression: seeds")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds: runs of the job")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds, defences: runs of each job")
     parser.add_argument("--clients", type=int, nargs="+",
                         help="overhead: clients (1 4 16); scale: registered (10 ... 10000)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
@@ -501,6 +516,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         bench_scale_suite(args.overrides, clients=args.clients or [10, 100, 1000, 10000])
     elif args.name == "rounds":
         bench_rounds_suite(args.overrides, repeats=args.repeats)
+    elif args.name == "defences":
+        bench_defences_suite(args.overrides, repeats=args.repeats)
     elif args.name == "trunk":
         bench_trunk_suite(args.overrides, models=args.models)
     elif args.name == "netns":

@@ -61,3 +61,20 @@ def test_overrides_and_options_are_read_in_any_order(argv) -> None:
     args = parse_arguments(argv)
     assert (args.name, args.repeats) == ("rounds", 1)
     assert args.overrides == ["dataplane.trunk_workers=2", "logger=none"]
+
+
+def test_the_defences_summary_pairs_each_job_on_against_off() -> None:
+    from benchmarks.defences import BOOKS, summarise
+
+    def row(job: str, setting: str, accuracy: float, round_s: float) -> dict:
+        return {"job": job, "defences": setting, "accuracy": accuracy, "round_s": round_s,
+                **dict.fromkeys(BOOKS, 0)}
+
+    rows = [row("default", "on", 0.97, 1.2), row("default", "off", 0.98, 1.0),
+            row("default", "on", 0.95, 1.4), row("default", "off", 0.96, 1.1),
+            row("heterogeneous", "on", 0.90, 2.0), row("heterogeneous", "off", 0.90, 2.0)]
+    summary = summarise(rows)
+    assert summary["default"]["on"]["accuracy"] == pytest.approx(0.96)  # the median of two
+    assert summary["default"]["cost"]["accuracy_points"] == pytest.approx(1.0)
+    assert summary["default"]["cost"]["round_time_ratio"] == pytest.approx(1.3 / 1.05)
+    assert summary["heterogeneous"]["cost"] == {"accuracy_points": 0.0, "round_time_ratio": 1.0}
