@@ -434,6 +434,23 @@ class ReportingFedAvg(FedAvg):
                 self.defence.counted[node] = weight
         return bounded
 
+    def counted_contents(self, finished: Sequence[Message]) -> list[RecordDict]:
+        """``finished``'s contents, each capped claim replaced by what the round counted.
+
+        The round's metrics (train loss and accuracy, examples) are weighed as the
+        arrays were: a device claiming a billion examples must not make its own loss
+        the round's either.
+        """
+        contents = []
+        for reply in finished:
+            counted = self.defence.counted.get(reply.metadata.src_node_id)
+            if counted is None:
+                contents.append(reply.content)
+                continue
+            metrics = dict(reply_metrics(reply)) | {self.weighted_by_key: float(counted)}
+            contents.append(RecordDict({"metrics": MetricRecord(metrics)}))
+        return contents
+
     def robust_blocks(self, finished: Sequence[Message],
                       updates: Sequence[tuple[Mapping[str, Tensor], float]]) -> list[Block]:
         """Aggregate ``updates`` (``finished``'s copies, in order) with the robust rule.
@@ -548,7 +565,7 @@ class ReportingFedAvg(FedAvg):
         self.defence = RoundDefence()
         if finished:
             arrays = self.aggregate_arrays(server_round, finished)
-            metrics = self.train_metrics_aggr_fn([r.content for r in finished],
+            metrics = self.train_metrics_aggr_fn(self.counted_contents(finished),
                                                  self.weighted_by_key)
         report = dict(metrics or {"num-examples": 0.0}) | self.defence.metrics()
         for status in STATUSES[1:]:

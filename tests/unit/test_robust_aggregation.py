@@ -178,12 +178,31 @@ def test_one_device_claiming_a_billion_examples_moves_the_average_no_further_tha
     share = ratio * 100 / (ratio * 100 + 4 * 100)  # the liar counts as ratio x the median
     np.testing.assert_allclose(arrays["0.w"].numpy(), share, rtol=1e-6)
     assert metrics["examples-capped"] == 1
+    assert metrics["num-examples"] == 4 * 100 + ratio * 100  # counted, not claimed
     [outcome] = outcomes
     assert {r["client"]: r.get("examples_counted") for r in outcome.rows}["4"] == ratio * 100
     unbounded = ReportingFedAvg(protocol="any", spec=RunSpec(),
                                 aggregation=AggregationConfig(max_examples_ratio=0))
     arrays, _ = unbounded.aggregate_train(1, [*honest, liar])
     assert arrays["0.w"].numpy().min() > 0.999  # what the bound prevents
+
+
+def test_the_rounds_train_metrics_weigh_a_capped_claim_as_counted():
+    # The liar's loss would be the round's train loss if its claim weighed it.
+    def with_loss(message: Message, loss: float) -> Message:
+        message.content["metrics"]["train-loss"] = loss
+        return message
+
+    honest = [with_loss(reply(n, {"0.w": torch.zeros(2, 3)}, 100), 0.5) for n in (1, 2, 3, 4)]
+    liar = with_loss(reply(5, {"0.w": torch.ones(2, 3)}, 1e9), 50.0)
+    strategy = ReportingFedAvg(protocol="any", spec=RunSpec(),
+                               aggregation=AggregationConfig(max_examples_ratio=1.0))
+    _, metrics = strategy.aggregate_train(1, [*honest, liar])
+    assert metrics["train-loss"] == pytest.approx((4 * 0.5 + 50.0) / 5)  # the liar as 100
+    unbounded = ReportingFedAvg(protocol="any", spec=RunSpec(),
+                                aggregation=AggregationConfig(max_examples_ratio=0))
+    _, metrics = unbounded.aggregate_train(1, [*honest, liar])
+    assert metrics["train-loss"] > 49.9  # what the bound prevents
 
 
 # --- the default path is today's, to the bit -------------------------------------------------
