@@ -181,7 +181,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 #: the lane they name, every other file in the ``shared`` lane. The lanes are balanced by
 #: CPU, which bounds the phase (each test alone in a cgroup, 2026-12-05): deployment = the
 #: TLS deployment 327 CPU-s + the Ray cluster 82; docs = the how-to 160 + the
-#: connect-a-device tutorial 110 + flwr run ~130; shared = the tutorials 319. In a clean-clone
+#: connect-a-device tutorial 110 + flwr run ~130; shared = the tutorials 319 + the web runtime
+#: in Chromium (test_web_step.py, 67 s alone, more than one core). In a clean-clone
 #: CI the phase took 10.1 min.
 LANES = {
     "tests/integration/test_deployment.py": "deployment",

@@ -1,0 +1,32 @@
+// The bundle's entry: dist/device.js sets globalThis.splitlearnDevice.
+import * as tf from "@tensorflow/tfjs";
+import { DeviceStages, FORMAT, SgdOptions, StagesDescription, SUPPORTED } from "./stages";
+
+/** Use a TensorFlow.js backend ("cpu", "webgl"); false if it does not initialise here. */
+async function setBackend(name: string): Promise<boolean> {
+  let ok = false;
+  try {
+    ok = await tf.setBackend(name);
+    await tf.ready();
+  } catch {
+    ok = false;
+  }
+  return ok && tf.getBackend() === name;
+}
+
+function load(description: StagesDescription, sgd: SgdOptions): DeviceStages {
+  return new DeviceStages(description, sgd);
+}
+
+const api = {
+  FORMAT,
+  SUPPORTED,
+  DeviceStages,
+  load,
+  setBackend,
+  backend: () => tf.getBackend(),
+  version: () => tf.version.tfjs,
+  tf,
+};
+
+(globalThis as unknown as { splitlearnDevice: typeof api }).splitlearnDevice = api;
