@@ -2,7 +2,8 @@
 
 The default job and ``+scenario=heterogeneous``, each with the defences as shipped (the
 trunk's guard: bounds on rows, clipped steps, the loss check, quarantine; example counts
-capped at ``aggregation.max_examples_ratio``) and without them (:data:`OFF`). Runs
+capped at ``aggregation.max_examples_ratio``; updates bounded at
+``aggregation.max_update_ratio``) and without them (:data:`OFF`). Runs
 alternate, on then off, ``--repeats`` times per job, so that a host that slows down
 during the benchmark weighs on both settings alike. No device lies here: whatever the
 guard refuses or clips in an "on" run is a cost to honest devices.
@@ -23,15 +24,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.rounds import run_job, steady_median
+from experiments.poison import DEFENCES_OFF
 
 #: The jobs measured: their overrides (beside the user's own).
 JOBS = {"default": [], "heterogeneous": ["+scenario=heterogeneous"]}
 
-#: The defences switched off: no guard on the trunk, example counts taken as claimed.
-OFF = ["dataplane.guard.enabled=false", "aggregation.max_examples_ratio=0"]
+#: The defences switched off (the attack suite's "off").
+OFF = list(DEFENCES_OFF)
 
-#: The guard's counts per round (``server.guard.TrunkGuard.take_books``).
-BOOKS = ("guard_refused", "guard_loss_refused", "guard_clipped", "guard_quarantined")
+#: The guard's counts per round (``server.guard.TrunkGuard.take_books``) and the devices
+#: whose update was shortened (``aggregation.max_update_ratio``).
+BOOKS = ("guard_refused", "guard_loss_refused", "guard_clipped", "guard_quarantined",
+         "updates_shortened")
 
 
 def measure(overrides: Sequence[str]) -> dict[str, float]:
@@ -56,7 +60,8 @@ def bench_defences(overrides: Sequence[str], *, repeats: int = 3,
                 rows.append(row)
                 print(f"{job:>13} defences {setting:<3} run {repeat}/{repeats}: accuracy "
                       f"{row['accuracy']:.4f}, {row['round_s']:.3f} s per round, guard "
-                      + ", ".join(f"{k[6:]} {row[k]:.0f}" for k in BOOKS), flush=True)
+                      + ", ".join(f"{k.removeprefix('guard_')} {row[k]:.0f}" for k in BOOKS),
+                      flush=True)
     with open(out_dir / "defences.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -474,8 +474,10 @@ def lying_fleet(attack: Attack, liars: Sequence[int], refusals: Refusals
 #: Overrides before the user's: the default job (digits, the small CNN at cut 1, SplitFed
 #: v2, 10 devices), offline.
 POISON_DEFAULTS = ("logger=none",)
-#: What "defences off" overrides (the trunk's guard: row bounds, clip, loss check, quarantine).
-DEFENCES_OFF = ("dataplane.guard.enabled=false",)
+#: What "defences off" overrides: the trunk's guard (row bounds, clip, loss and gradient
+#: checks, quarantine), the bound on each device's update, claims counted as claimed.
+DEFENCES_OFF = ("dataplane.guard.enabled=false", "aggregation.max_update_ratio=0",
+                "aggregation.max_examples_ratio=0")
 
 
 @dataclass
@@ -492,6 +494,7 @@ class RunRow:
     honest_refused: dict[str, int] = field(default_factory=dict)
     attacker_refused: dict[str, int] = field(default_factory=dict)
     clipped: int = 0  # trunk steps whose update the guard clipped
+    shortened: int = 0  # device-rounds whose update was shortened (aggregation.max_update_ratio)
     seconds: float = 0.0
     history: list[float] = field(default_factory=list)  # test accuracy per round
     walls: list[float] = field(default_factory=list)  # the run's clock at each evaluation
@@ -531,6 +534,7 @@ def run_poisoned(cfg: DictConfig, attack: Attack, *, attackers: int, defences: s
         quarantined=int(sum(r.get("guard_quarantined", 0) for r in history)),
         honest_refused=refusals.of("honest"), attacker_refused=refusals.of("attacker"),
         clipped=int(sum(r.get("guard_clipped", 0) for r in history)),
+        shortened=int(sum(r.get("updates_shortened", 0) for r in history)),
         seconds=time.perf_counter() - started,
         history=[float(r["test_accuracy"]) for r in history],
         walls=[float(r["wall_s"]) for r in history])
@@ -706,7 +710,7 @@ def measure_step_cost(*, repeats: int, steps: int = 300) -> str:
 # --- results ------------------------------------------------------------------------------
 
 COLUMNS = ("attack", "strategy", "attackers", "defences", "accuracy", "delta", "quarantined",
-           "honest_refused", "attacker_refused", "clipped", "seconds")
+           "shortened", "honest_refused", "attacker_refused", "clipped", "seconds")
 
 
 def _reasons(counts: Mapping[str, int]) -> str:
@@ -716,10 +720,11 @@ def _reasons(counts: Mapping[str, int]) -> str:
 def format_table(rows: Sequence[RunRow]) -> str:
     """Markdown table of the suite."""
     lines = ["| attack | protocol | attackers | defences | final accuracy | vs no attack | "
-             "devices quarantined | honest batches refused | attacker batches refused |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | --- | --- |"]
+             "devices quarantined | updates shortened | honest batches refused | "
+             "attacker batches refused |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |"]
     lines += [f"| {r.attack} | {r.strategy} | {r.attackers} | {r.defences} | "
-              f"{r.accuracy:.3f} | {100 * r.delta:+.1f} pts | {r.quarantined} | "
+              f"{r.accuracy:.3f} | {100 * r.delta:+.1f} pts | {r.quarantined} | {r.shortened} | "
               f"{_reasons(r.honest_refused)} | {_reasons(r.attacker_refused)} |" for r in rows]
     return "\n".join(lines) + "\n"
 

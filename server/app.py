@@ -63,6 +63,7 @@ from splitlearn.config import (
 )
 from splitlearn.data import held_out_dataset
 from splitlearn.dataplane import TokenRegistry, TrunkEndpoint, TrunkService
+from splitlearn.dataplane.codec import decode_tensor, encoder
 from splitlearn.evaluation import evaluate_model, intra_op_threads, usable_cores
 from splitlearn.messages import UPDATE_WEIGHT_KEY, record_to_state, state_to_record
 from splitlearn.models import SplittableModel
@@ -440,23 +441,46 @@ class RoundReporter:
         planning, spec = self.runtime.planning, self.runtime.spec
         inputs, labels = next(iter(self.test_loader))
         count = min(len(inputs), REFERENCE_ROWS)
+        received, returned = self._as_devices_exchange()
         rows = reference_rows(
             joined, inputs[:count], labels[:count],
             cuts=sorted(planning.costs) if planning is not None else [spec.model.cut],
-            tail_cut=tail_cut_of(spec.strategy, joined), batch_size=spec.strategy.batch_size)
-        with torch.no_grad():
-            if deployed is not joined:  # activations leave a device released at its cut
-                release = deployed[spec.model.cut]  # type: ignore[index]
+            tail_cut=tail_cut_of(spec.strategy, joined), batch_size=spec.strategy.batch_size,
+            received=received, returned=returned)
+        if deployed is not joined:  # activations leave a device released at its cut
+            release = deployed[spec.model.cut]  # type: ignore[index]
+            with torch.no_grad():
                 rows |= {key: release(value) for key, value in rows.items()
                          if key[0] == "activations"}
-            if spec.privacy.gradient_noise_multiplier:  # a tail's gradient leaves noised
-                noise = GaussianActivationMechanism(
-                    clip_norm=spec.privacy.gradient_clip_norm,
-                    noise_multiplier=spec.privacy.gradient_noise_multiplier)
-                batch = spec.strategy.batch_size  # rows are scaled per example, as devices do
-                rows |= {key: noise(value * batch) / batch for key, value in rows.items()
-                         if key[0] == "gradient"}
         return rows
+
+    def _as_devices_exchange(self) -> tuple[Callable[[torch.Tensor], torch.Tensor],
+                                            Callable[[torch.Tensor], torch.Tensor]]:
+        """Return what a U-shaped device receives of features and what it returns of a gradient.
+
+        The features as the downlink's compression leaves them; the gradient noised as the
+        device's privacy options ask (each row scaled to one example's first, as devices
+        do), then as the uplink's compression leaves it.
+        """
+        spec = self.runtime.spec
+        down = encoder(spec.compression, "downlink")
+        up = encoder(spec.compression, "uplink")
+        limit = spec.max_frame_bytes
+        noise = GaussianActivationMechanism(
+            clip_norm=spec.privacy.gradient_clip_norm,
+            noise_multiplier=spec.privacy.gradient_noise_multiplier,
+        ) if spec.privacy.gradient_noise_multiplier else None
+
+        def received(features: torch.Tensor) -> torch.Tensor:
+            return decode_tensor(down(features), name="features", max_bytes=limit)
+
+        def returned(grad: torch.Tensor) -> torch.Tensor:
+            if noise is not None:
+                with torch.no_grad():
+                    grad = noise(grad * len(grad)) / len(grad)
+            return decode_tensor(up(grad), name="grad", max_bytes=limit)
+
+        return received, returned
 
     def _guard_books(self) -> dict[str, int]:
         """Return the round's guard counts: the trunk's and every trunk worker's, added up.

@@ -35,6 +35,18 @@ every other device's batches were refused ``STEP_NOT_FINITE`` from then on. A
   skew included). The loss of a step over several devices' batches together
   (``batch_concurrent``) is not checked: refusing it would refuse the honest rows with
   the poisoned ones, and the trunk cannot tell one device's share of it.
+* **Gradients a labelling explains.** An honest U-shaped device returns, for each
+  example, ``(p - e_y) J / B``: its tail's softmax minus the one-hot of its label, through
+  the tail's Jacobian at the features it received, over its batch size. The server holds
+  the round's tail (the merged device tails), so for each row it finds the label whose
+  gradient is nearest (:func:`label_consistency`). A batch whose distance from those
+  gradients, relative to their norm, is beyond the larger of ``residual_floor`` and
+  ``residual_factor`` times the median of recent batches' is refused ``OUT_OF_RANGE``: a
+  sign-flipped (gradient ascent) or otherwise made-up gradient is at 1 or more, an honest
+  one only as far as its tail moved since the round began (and compression or noise made
+  it differ; the ServerApp seeds the statistics with its own rows sent as devices send
+  them). The labels found give the batch's loss as the round's tail sees it, checked as
+  the trunk's own loss is below: a device training on flipped labels is caught there.
 * **Quarantine.** A device with ``strikes`` refused frames in a round is refused
   ``QUARANTINED`` for the rest of the round; the other devices carry on. A refused
   batch's loss is charged to the device whose admitted frame the step trains on
@@ -47,12 +59,13 @@ import math
 import threading
 import weakref
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from server.consistency import Consistency, frozen_tail, label_consistency
 from splitlearn.config import GuardConfig
 from splitlearn.dataplane.codec import FrameError, Reason
 
@@ -106,6 +119,7 @@ class TrunkGuard:
         self._rows: dict[tuple[str, int], _Window] = {}
         self._steps = _Window(config.window_steps, min_count=config.min_steps)
         self._losses: dict[int, _Window] = {}  # per cut: recent single-device batch losses
+        self._residuals: dict[int, _Window] = {}  # per tail cut: returned gradients' residuals
         self._seeded: dict[tuple[str, int], float] = {}  # the largest row of the last seeding
         self._frames: dict[str, deque[int]] = {}  # rows per recent frame, of the MEAN_KINDS
         # Storage address -> (the admitted rows, who sent them, in which round): a step
@@ -210,7 +224,13 @@ class TrunkGuard:
         if not self.config.loss_factor or not math.isfinite(loss):
             return  # a non-finite loss leaves non-finite gradients: STEP_NOT_FINITE
         sender = self.sender_of(rows)
-        if sender is None:
+        if sender is not None:
+            self._check_loss_of(sender, loss, cut, classes=classes)
+
+    def _check_loss_of(self, sender: tuple[str, int], loss: float, cut: int, *,
+                       classes: int) -> None:
+        """Check ``sender``'s batch loss at ``cut`` (see :meth:`check_loss`)."""
+        if not self.config.loss_factor or not math.isfinite(loss):
             return
         with self._lock:
             window = self._loss_window(cut)
@@ -224,6 +244,51 @@ class TrunkGuard:
                         f"{bound:.4g} from recent batches (median {window.median:.4g}); "
                         "not applied"))
             window.add([loss])
+
+    def check_returned(self, client: str, server_round: int, cut: int, *, tail: nn.Module,
+                       features: Tensor, grad: Tensor) -> Consistency | None:
+        """Refuse a returned gradient no labelling of the batch explains (a strike).
+
+        ``tail`` is the device's tail as the server knows it (in eval mode: see
+        :mod:`server.consistency`), ``features`` what the trunk sent for the batch and
+        ``grad`` what came back. Called before the trunk backpropagates ``grad``. The
+        labels found also give the batch's loss, which is checked as :meth:`check_loss`
+        checks the trunk's own. Returns what :func:`label_consistency` found (None: not
+        checked).
+
+        Raises
+        ------
+        FrameError
+            ``OUT_OF_RANGE`` when the relative residual is beyond
+            ``max(residual_floor, residual_factor x the recent median)``, or the loss is
+            beyond its bound.
+        """
+        if not self.config.residual_floor:
+            return None
+        found = label_consistency(tail, features, grad)
+        if found is None:
+            return None
+        with self._lock:
+            window = self._residual_window(cut)
+            bound = max(self.config.residual_floor, window.bound(self.config.residual_factor)
+                        or 0.0)
+            if found.residual > bound:
+                self._strike(client, server_round)
+                raise FrameError(Reason.OUT_OF_RANGE, (
+                    f"the gradient returned at cut {cut} is {found.residual:.3g} (relative) "
+                    f"from the nearest any labelling of the batch gives through this round's "
+                    f"tail; the bound is {bound:.3g} (recent median {window.median or 0:.3g})"))
+            window.add([found.residual])
+        self._check_loss_of((client, server_round), float(found.losses.mean()), cut,
+                            classes=found.classes)
+        return found
+
+    def _residual_window(self, cut: int) -> _Window:
+        window = self._residuals.get(cut)
+        if window is None:
+            window = self._residuals[cut] = _Window(self.config.window_steps,
+                                                    min_count=self.config.min_steps)
+        return window
 
     def _loss_window(self, cut: int) -> _Window:
         window = self._losses.get(cut)
@@ -255,6 +320,12 @@ class TrunkGuard:
         """
         if what == "loss":
             self._seed_losses(cut, rows.detach().flatten().tolist())
+            return
+        if what == "residual":  # the server's own batches, returned as devices return them
+            with self._lock:
+                window = self._residuals[cut] = _Window(self.config.window_steps,
+                                                        min_count=1)
+                window.add(rows.detach().flatten().tolist())
             return
         norms = rows.detach().flatten(1).norm(dim=1)
         with self._lock:
@@ -337,16 +408,54 @@ def _address(rows: Tensor) -> int:
     return rows.untyped_storage().data_ptr() + rows.storage_offset() * rows.element_size()
 
 
+def _same(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def reference_tail(model: nn.Module, inputs: Tensor, labels: Tensor, *, tail_cut: int,
+                   batch_size: int, received: Callable[[Tensor], Tensor] = _same,
+                   returned: Callable[[Tensor], Tensor] = _same,
+                   ) -> dict[tuple[str, int], Tensor]:
+    """Return what honest U-shaped devices return at ``tail_cut``, by kind.
+
+    Per batch of ``batch_size`` of the server's examples: the gradient of the batch's
+    mean loss with respect to the trunk's output (``gradient``), as a device computes it
+    from the features it receives (``received``: what the downlink's compression leaves
+    of them) and sends it (``returned``: noised, then what the uplink's compression leaves);
+    the batch's mean loss (``loss``); and how far :func:`label_consistency` finds the
+    returned gradient from the nearest labelling's (``residual``): the honest spread the
+    consistency check allows for.
+    """
+    stages = list(model.stages)  # type: ignore[attr-defined]
+    tail = frozen_tail(stages[tail_cut:])
+    grads, losses, residuals = [], [], []
+    for start in range(0, len(inputs), batch_size):
+        with torch.no_grad():
+            features = nn.Sequential(*stages[:tail_cut])(inputs[start:start + batch_size])
+        got = received(features).detach().requires_grad_(True)
+        loss = nn.functional.cross_entropy(tail(got), labels[start:start + batch_size])
+        grad = returned(torch.autograd.grad(loss, got)[0])
+        found = label_consistency(tail, features, grad)
+        grads.append(grad)
+        losses.append(loss.detach())
+        residuals.append(found.residual if found is not None else 0.0)
+    return {("gradient", tail_cut): torch.cat(grads), ("loss", tail_cut): torch.stack(losses),
+            ("residual", tail_cut): torch.tensor(residuals)}
+
+
 def reference_rows(model: nn.Module, inputs: Tensor, labels: Tensor, *, cuts: Sequence[int],
-                   tail_cut: int | None, batch_size: int) -> dict[tuple[str, int], Tensor]:
+                   tail_cut: int | None, batch_size: int,
+                   received: Callable[[Tensor], Tensor] = _same,
+                   returned: Callable[[Tensor], Tensor] = _same,
+                   ) -> dict[tuple[str, int], Tensor]:
     """Return what honest devices would send at each cut, from data of known provenance.
 
     ``model`` is the network as the devices hold it this round (their averaged side
     joined with the trunk, any release at the cut included); ``inputs``/``labels`` are
     the server's own held-out examples. Activations at every cut in ``cuts``; with a
-    device tail (``tail_cut``), also the gradient a device returns there: that of its
-    batch's mean loss (``batch_size`` rows a batch) with respect to the trunk's output;
-    without one, each batch's mean loss (``("loss", cut)``, the same for every cut).
+    device tail (``tail_cut``), also what :func:`reference_tail` gives (``received`` and
+    ``returned`` as there); without one, each batch's mean loss (``("loss", cut)``, the
+    same for every cut).
     """
     stages = list(model.stages)  # type: ignore[attr-defined]
     rows: dict[tuple[str, int], Tensor] = {}
@@ -357,15 +466,8 @@ def reference_rows(model: nn.Module, inputs: Tensor, labels: Tensor, *, cuts: Se
             if index + 1 in cuts:
                 rows["activations", index + 1] = x
     if tail_cut is not None:
-        grads = []
-        for start in range(0, len(inputs), batch_size):
-            with torch.no_grad():
-                features = nn.Sequential(*stages[:tail_cut])(inputs[start:start + batch_size])
-            features.requires_grad_(True)
-            loss = nn.functional.cross_entropy(nn.Sequential(*stages[tail_cut:])(features),
-                                               labels[start:start + batch_size])
-            grads.append(torch.autograd.grad(loss, features)[0])
-        rows["gradient", tail_cut] = torch.cat(grads)
+        rows |= reference_tail(model, inputs, labels, tail_cut=tail_cut, batch_size=batch_size,
+                               received=received, returned=returned)
     else:  # the trunk holds the loss: the batches' mean losses, the loss check's floor
         with torch.no_grad():
             for stage in stages[max(cuts):]:
@@ -374,3 +476,4 @@ def reference_rows(model: nn.Module, inputs: Tensor, labels: Tensor, *, cuts: Se
         means = torch.stack([chunk.mean() for chunk in losses.split(batch_size)])
         rows |= {("loss", cut): means for cut in cuts}
     return rows
+

@@ -177,6 +177,14 @@ class GuardConfig:
     # checked when devices release noised activations (privacy=activation_gaussian): noise
     # makes an honest device's loss as large as its own sigma makes it.
     loss_factor: float = 6.0
+    # A U-shaped device's returned gradient is refused when its distance from the nearest
+    # gradient any labelling of its batch gives through the device's tail (which the server
+    # replays: server/consistency.py) is beyond max(residual_floor, residual_factor x the
+    # recent median), relative to its norm (residual_floor 0: not checked). On the default
+    # job honest batches measured at most 3e-4, negated ones (gradient ascent) 0.82 to 1.2.
+    # The labels found give the batch's loss, checked as above.
+    residual_floor: float = 0.25
+    residual_factor: float = 4.0
 
     def __post_init__(self) -> None:
         if not self.row_factor > 1:
@@ -185,6 +193,11 @@ class GuardConfig:
             raise ValueError(f"dataplane.guard.seed_factor={self.seed_factor}: need >= 1")
         if not self.update_clip >= 0:
             raise ValueError(f"dataplane.guard.update_clip={self.update_clip}: need >= 0")
+        if not self.residual_floor >= 0:
+            raise ValueError(f"dataplane.guard.residual_floor={self.residual_floor}: need >= 0 "
+                             "(0: not checked)")
+        if not self.residual_factor > 1:
+            raise ValueError(f"dataplane.guard.residual_factor={self.residual_factor}: need > 1")
         if not (self.loss_factor == 0 or self.loss_factor > 1):
             raise ValueError(f"dataplane.guard.loss_factor={self.loss_factor}: need 0 (off) "
                              "or > 1")
@@ -429,6 +442,13 @@ class AggregationConfig:
     # lower median of the finished devices); 0 = unbounded. Not under secure=true: there
     # each device applies its own weight before masking (max_weight).
     max_examples_ratio: float = 10.0
+    # Each device's update of a module (a layer), its trained arrays minus what it was
+    # given, is shortened to this x the round's (lower) median update of that module over
+    # the devices holding it; 0 = unbounded. Not under secure=true (the server sees only
+    # the sum). Stops scaled and negated device weights from 1 and 2 devices of 10 with the
+    # weighted mean; it shortened 4-5 of 200 honest device-rounds in the default job and
+    # 4-7 of 200 under +scenario=heterogeneous, at the same final accuracy as without.
+    max_update_ratio: float = 4.0
 
     def __post_init__(self) -> None:
         for key in ("num_shares", "reconstruction_threshold", "clipping_range", "max_weight"):
@@ -475,6 +495,10 @@ class AggregationConfig:
                                                  and self.max_examples_ratio >= 1)):
             raise ValueError("aggregation.max_examples_ratio must be 0 (unbounded) or a finite "
                              f"number >= 1, got {self.max_examples_ratio!r}")
+        if not (self.max_update_ratio == 0 or (math.isfinite(self.max_update_ratio)
+                                               and self.max_update_ratio >= 1)):
+            raise ValueError("aggregation.max_update_ratio must be 0 (unbounded) or a finite "
+                             f"number >= 1, got {self.max_update_ratio!r}")
         if self.robust != "none" and self.secure:
             raise ValueError(
                 f"aggregation.robust={self.robust} needs each device's own arrays; "

@@ -147,6 +147,68 @@ class Block:
     held: str | None = None
 
 
+def bound_updates(states: Sequence[Mapping[str, Tensor]], given: Sequence[Mapping[str, Tensor]],
+                  ratio: float) -> tuple[list[dict[str, Tensor]], list[int]]:
+    """Shorten every device's update of a module beyond ``ratio`` x the round's median update.
+
+    Parameters
+    ----------
+    states : Sequence[Mapping[str, Tensor]]
+        Each device's trained arrays.
+    given : Sequence[Mapping[str, Tensor]]
+        What each device was given this round (its update is ``state - given``).
+    ratio : float
+        The bound's multiple of the median; 0 leaves the states as they are.
+
+    Returns
+    -------
+    tuple[list[dict[str, Tensor]], list[int]]
+        The states (an update within the bound keeps the very tensors it came with, so an
+        honest round is averaged exactly as before) and, per device, the modules shortened.
+
+    Notes
+    -----
+    Norm bounding (Sun et al. 2019, "Can you really backdoor federated learning?"), per
+    *module*: the arrays whose keys differ only in their last component (a layer's
+    weight, bias and statistics), each compared over the devices that hold it, so that
+    per-client cuts and each cut's head compare like with like. A shortened update keeps
+    its direction: ``given + (state - given) x bound / norm``. The lower median of the
+    holders' update norms is at most an honest one's while fewer than half of them lie, so
+    a scaled or negated copy moves the mean by at most ``ratio`` honest updates. Integer
+    arrays (batch-norm counters) and keys a device was not given are left as they are; a
+    module whose median update is 0 (most holders did not change it) is not bounded.
+    """
+    out = [dict(state) for state in states]
+    shortened = [0] * len(states)
+    if ratio <= 0:
+        return out, shortened
+    holders: dict[str, list[tuple[int, list[str]]]] = {}
+    for index, (state, sent) in enumerate(zip(states, given, strict=True)):
+        modules: dict[str, list[str]] = {}
+        for key, value in state.items():
+            before = sent.get(key)
+            if before is not None and value.is_floating_point() and before.shape == value.shape:
+                modules.setdefault(key.rpartition(".")[0], []).append(key)
+        for module, keys in modules.items():
+            holders.setdefault(module, []).append((index, keys))
+    for held in holders.values():
+        norms = [float(torch.stack([(states[i][k].double() - given[i][k].double()).norm()
+                                    for k in keys]).norm()) for i, keys in held]
+        median = sorted(norms)[(len(norms) - 1) // 2]
+        if median <= 0:
+            continue
+        bound = ratio * median
+        for (index, keys), norm in zip(held, norms, strict=True):
+            if norm > bound:
+                scale = bound / norm
+                for key in keys:
+                    before = given[index][key]
+                    out[index][key] = (before + (states[index][key] - before) * scale).to(
+                        states[index][key].dtype)
+                shortened[index] += 1
+    return out, shortened
+
+
 def bound_claims(claims: Sequence[float], ratio: float) -> list[float]:
     """Cap every claimed count at ``ratio`` x the lower median of ``claims``.
 

@@ -85,15 +85,18 @@ class LocalLossSplit(SplitFed):
     def aggregate_arrays(self, server_round: int, finished: list[Message]) -> ArrayRecord:
         """Merge the stages over every copy that trained them; average each cut's heads.
 
-        Claimed examples are bounded first. With a robust rule the stages go to the
+        Claimed examples and updates are bounded first. With a robust rule the stages go to the
         merge as :meth:`SplitFed.device_side` says, and each cut's heads (trained
         on the devices only) are aggregated by the rule over that cut's devices; a
         head with too few copies for it keeps its previous weights.
         """
         stage_updates, head_updates = [], defaultdict(list)
         heads_of: dict[int, list[Message]] = defaultdict(list)
-        for reply, weight in zip(finished, self.bounded_weights(finished), strict=True):
-            stages, head = split_client_state(record_to_state(reply.content[self.arrayrecord_key]))
+        states = self.bounded_states(
+            finished, [record_to_state(r.content[self.arrayrecord_key]) for r in finished])
+        for reply, weight, state in zip(finished, self.bounded_weights(finished), states,
+                                        strict=True):
+            stages, head = split_client_state(state)
             samples = int(weight)
             stage_updates.append((stages, samples))
             cut = self.assignment(reply.metadata.src_node_id).cut

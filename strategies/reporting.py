@@ -50,7 +50,14 @@ from splitlearn.messages import (
     state_to_record,
     with_dtypes_of,
 )
-from splitlearn.robust import SELECTING, Block, RobustRule, bound_claims, robust_blocks
+from splitlearn.robust import (
+    SELECTING,
+    Block,
+    RobustRule,
+    bound_claims,
+    bound_updates,
+    robust_blocks,
+)
 
 #: Statuses a reply can have, in report order.
 STATUSES = ("ok", "straggler", "unavailable", "dropout", "memory", "refused", "budget", "privacy",
@@ -110,6 +117,10 @@ class RoundDefence:
         The most copies any block left out of a coordinate's mean.
     held : int
         Blocks with too few copies for the rule (they keep their previous weights).
+    updates_bounded : bool
+        Whether updates were bounded (``updates-shortened`` is then reported).
+    shortened : dict[int, int]
+        Node -> the modules whose update was shortened to the bound.
     """
 
     bounded: bool = False
@@ -118,10 +129,14 @@ class RoundDefence:
     left_out: dict[int, int] = field(default_factory=dict)
     trimmed: int = 0
     held: int = 0
+    updates_bounded: bool = False
+    shortened: dict[int, int] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
         """Return the round's metrics of the defence (none when it is off)."""
         metrics = {"examples-capped": float(len(self.counted))} if self.bounded else {}
+        if self.updates_bounded:
+            metrics["updates-shortened"] = float(len(self.shortened))
         if self.robust:
             metrics |= {"robust-left-out": float(sum(n > 0 for n in self.left_out.values())),
                         "robust-trimmed": float(self.trimmed), "robust-held": float(self.held)}
@@ -134,6 +149,8 @@ class RoundDefence:
             row["examples_counted"] = self.counted[node]
         if node in self.left_out:
             row["robust_left_out"] = self.left_out[node]
+        if node in self.shortened:
+            row["update_shortened"] = self.shortened[node]
         return row
 
 
@@ -300,7 +317,12 @@ class ReportingFedAvg(FedAvg):
         #: every reply carries the same average, so a cap here would change nothing.
         self.max_examples_ratio = (aggregation.max_examples_ratio
                                    if aggregation is not None and not aggregation.secure else 0.0)
+        #: A device's update of a module counts at most this x the round's median (0: any).
+        #: Not under SecAgg+, for the same reason.
+        self.max_update_ratio = (aggregation.max_update_ratio
+                                 if aggregation is not None and not aggregation.secure else 0.0)
         self._round_arrays: ArrayRecord | None = None  # the global arrays of this round
+        self._given: dict[int, ArrayRecord] = {}  # node -> the arrays it got this round
         #: What the defence did in the last training round.
         self.defence = RoundDefence()
 
@@ -349,6 +371,7 @@ class ReportingFedAvg(FedAvg):
         arrays = self.client_arrays(node, message.content[self.arrayrecord_key])
         if kind == "train":
             self._sent[node] = arrays_signature(arrays)
+            self._given[node] = arrays
         content = RecordDict({
             self.arrayrecord_key: arrays,
             self.configrecord_key: config,
@@ -369,6 +392,7 @@ class ReportingFedAvg(FedAvg):
         kept = set(self.choose(server_round, ready))
         self._round_started = time.perf_counter()
         self._round_arrays = arrays
+        self._given = {}
         typed = [self._typed(m, server_round, "train") for m in messages
                  if m.metadata.dst_node_id in kept]
         self._asked = typed
@@ -402,16 +426,24 @@ class ReportingFedAvg(FedAvg):
         weights stay).
         """
         weights = self.bounded_weights(finished)
+        states = None
+        if self.robust is not None or self.max_update_ratio > 0:
+            states = self.bounded_states(finished, [
+                record_to_state(r.content[self.arrayrecord_key]) for r in finished])
         if self.robust is not None:
-            states = [record_to_state(r.content[self.arrayrecord_key]) for r in finished]
+            assert states is not None
             blocks = self.robust_blocks(finished, list(zip(states, weights, strict=True)))
             return self.blocks_record(blocks, states[0])
         contents = [r.content for r in finished]
-        if any(w != float(reply_metrics(r)[self.weighted_by_key])
-               for r, w in zip(finished, weights, strict=True)):
-            contents = [RecordDict({self.arrayrecord_key: r.content[self.arrayrecord_key],
-                                    "metrics": MetricRecord({self.weighted_by_key: float(w)})})
-                        for r, w in zip(finished, weights, strict=True)]
+        if self.defence.shortened or any(
+                w != float(reply_metrics(r)[self.weighted_by_key])
+                for r, w in zip(finished, weights, strict=True)):
+            contents = [RecordDict({
+                self.arrayrecord_key: (state_to_record(states[i]) if states is not None
+                                       and r.metadata.src_node_id in self.defence.shortened
+                                       else r.content[self.arrayrecord_key]),
+                "metrics": MetricRecord({self.weighted_by_key: float(w)})})
+                for i, (r, w) in enumerate(zip(finished, weights, strict=True))]
         averaged = aggregate_arrayrecords(contents, self.weighted_by_key)
         return with_dtypes_of(averaged, finished[0].content[self.arrayrecord_key])
 
@@ -432,6 +464,29 @@ class ReportingFedAvg(FedAvg):
                     "max_examples_ratio=%s x the round's median)", node, claim,
                     self.weighted_by_key, weight, self.max_examples_ratio)
                 self.defence.counted[node] = weight
+        return bounded
+
+    def bounded_states(self, finished: Sequence[Message],
+                       states: Sequence[Mapping[str, Tensor]]) -> list[dict[str, Tensor]]:
+        """Return ``finished``'s states, each update beyond the round's bound shortened.
+
+        See :func:`splitlearn.robust.bound_updates` (``aggregation.max_update_ratio``);
+        each shortened device is logged and its row says how many modules
+        (``update_shortened``).
+        """
+        if self.max_update_ratio <= 0:
+            return [dict(state) for state in states]
+        given = [record_to_state(self._given[n]) if (n := r.metadata.src_node_id) in self._given
+                 else {} for r in finished]
+        bounded, shortened = bound_updates(states, given, self.max_update_ratio)
+        self.defence.updates_bounded = True
+        for reply, modules in zip(finished, shortened, strict=True):
+            if modules:
+                node = reply.metadata.src_node_id
+                log(WARNING, "client %s: its update of %d module(s) was shortened to aggregation."
+                    "max_update_ratio=%s x the round's median update", node, modules,
+                    self.max_update_ratio)
+                self.defence.shortened[node] = self.defence.shortened.get(node, 0) + modules
         return bounded
 
     def counted_contents(self, finished: Sequence[Message]) -> list[RecordDict]:

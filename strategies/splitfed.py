@@ -123,17 +123,19 @@ class SplitFed(ReportingFedAvg):
         """Merge every stage over the copies that trained it, client and trunk alike.
 
         A trunk side that cannot merge per stage gets FedAvg of the client sides
-        (its clients all hold ``model.cut``). Claimed examples are bounded
-        (:meth:`bounded_weights`); with a robust rule the devices' copies of each
-        block of stages become one copy, weighted by their examples, beside the
-        trunk's own (:meth:`device_side`).
+        (its clients all hold ``model.cut``). Claimed examples and updates are
+        bounded (:meth:`bounded_weights`, :meth:`bounded_states`); with a robust rule
+        the devices' copies of each block of stages become one copy, weighted by their
+        examples, beside the trunk's own (:meth:`device_side`).
         """
         merge = getattr(self.trunk, "merge_round", None)
         if merge is None:
             return super().aggregate_arrays(server_round, finished)
+        states = self.bounded_states(
+            finished, [record_to_state(r.content[self.arrayrecord_key]) for r in finished])
         updates = self.device_side(finished, [
-            (record_to_state(r.content[self.arrayrecord_key]), int(w))
-            for r, w in zip(finished, self.bounded_weights(finished), strict=True)])
+            (state, int(w))
+            for state, w in zip(states, self.bounded_weights(finished), strict=True)])
         return state_to_record(merge(updates, upto=self.global_cut))
 
     def device_side(self, finished: list[Message], updates: list[tuple[dict[str, Tensor], int]]

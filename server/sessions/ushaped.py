@@ -42,6 +42,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from server.consistency import DeviceTails
 from server.sessions.split import (
     SharedTrunk,
     admit,
@@ -118,6 +119,8 @@ class UShapedSession:
         self.replaced = 0
         #: Steps that recomputed their forward because the trunk changed in between.
         self.recomputed = 0
+        #: Each device's tail as its own steps leave it (the guard's consistency check).
+        self.tails = DeviceTails(**pool.trunk.hyper)
 
     @property
     def pending_sessions(self) -> int:
@@ -218,11 +221,21 @@ class UShapedSession:
         # The returned gradient steers the trunk as activations do: bounded the same way.
         admit(self.trunk, session.grant.client, session.grant.server_round, "gradient",
               self.tail_cut, grad)
+        client, server_round = session.grant.client, session.grant.server_round
+        found = None
+        if self.trunk.guard is not None:  # ... and must be one some labelling explains
+            tail = self.tails.tail(client, server_round, self.trunk.model.stages[self.tail_cut:])
+            found = self.trunk.guard.check_returned(
+                client, server_round, self.tail_cut, tail=tail, features=pending.features,
+                grad=grad)
         with self._lock:
             if self._pending.pop(session.token, None) is not pending:
                 raise FrameError(Reason.NO_PENDING_FORWARD,
                                  "the pending forward was replaced while this backward arrived")
-        return pending, self._apply(pending, grad)
+        cut_grad = self._apply(pending, grad)
+        if found is not None:  # the device steps its tail now: so does its replica
+            self.tails.learn(client, pending.features, found.labels)
+        return pending, cut_grad
 
     def _apply(self, pending: Pending, grad: Tensor) -> Tensor:
         """Backpropagate ``grad`` through the pending forward, step, return the cut gradient."""
@@ -254,7 +267,8 @@ class UShapedSession:
             self._pending.pop(session.token, None)
 
     def finish_round(self, finished: Iterable[str]) -> None:
-        """Nothing to settle: the shared trunk stepped as batches arrived."""
+        """Drop the devices' tail replicas: the next round starts from the merged tail."""
+        self.tails.forget()
 
     def merge_round(
         self, updates: Sequence[tuple[Mapping[str, Tensor], int]], *, upto: int

@@ -1,5 +1,6 @@
 """Robust aggregation through the shipped strategy, ClientApp and trunk: one device's reply
-weights scaled x1000 wreck the weighted mean; the median and Krum keep the honest accuracy."""
+weights scaled x1000 wreck the unbounded weighted mean; the bound on updates (the default),
+the median and Krum keep the honest accuracy."""
 
 from __future__ import annotations
 
@@ -56,16 +57,28 @@ def honest(tmp_path_factory: pytest.TempPathFactory) -> float:
     return rounds[-1]["test_accuracy"]
 
 
-def test_one_scaled_device_wrecks_the_weighted_mean(tmp_path, honest):
+def test_one_scaled_device_wrecks_the_unbounded_weighted_mean(tmp_path, honest):
     """Round 1 averages the x1000 copy in, and the joined model does not recover from it."""
-    rounds, _ = run(tmp_path, attacked=True)
+    rounds, _ = run(tmp_path, "aggregation.max_update_ratio=0", attacked=True)
     assert rounds[2]["test_accuracy"] < honest - 0.15
     assert "robust_held" not in rounds[-1]  # no robust rule: nothing reported of one
+    assert "updates_shortened" not in rounds[-1]
+
+
+def test_the_bound_on_updates_keeps_the_honest_accuracy(tmp_path, honest):
+    """The default: the x1000 copy's update is shortened to 4x the median, every round."""
+    rounds, rows = run(tmp_path, attacked=True)
+    assert [r["status"] for r in rows] == ["ok"] * 10
+    assert rounds[-1]["test_accuracy"] > honest - 0.05
+    assert all(r["updates_shortened"] >= 1 for r in rounds[1:])
+    assert all(int(r["update_shortened"]) > 0 for r in rows if r["node_id"] == str(ATTACKER))
 
 
 @pytest.mark.parametrize("method", ["median", "krum"])
 def test_a_robust_rule_keeps_the_honest_accuracy(tmp_path, honest, method):
-    rounds, rows = run(tmp_path, f"aggregation.robust={method}", attacked=True)
+    # Without the bound on updates, so that the rule alone keeps the liar out.
+    rounds, rows = run(tmp_path, f"aggregation.robust={method}", "aggregation.max_update_ratio=0",
+                       attacked=True)
     assert [r["status"] for r in rows] == ["ok"] * 10  # nobody refused: the liar did not count
     assert rounds[-1]["test_accuracy"] > honest - 0.05
     assert all(r["robust_held"] == 0 for r in rounds[1:])  # five devices: the rule applied

@@ -195,12 +195,12 @@ def test_the_results_are_written_as_a_table_csv_json_and_plot(tmp_path):
     rows = [RunRow("none", "splitfed_v2", 0, on, 0.97, 0.0) for on in ("on", "off")]
     rows += [RunRow("label_flip", "splitfed_v2", 1, "on", 0.96, -0.01, quarantined=3,
                     attacker_refused={"OUT_OF_RANGE": 6, "QUARANTINED": 3}),
-             RunRow("label_flip", "splitfed_v2", 1, "off", 0.40, -0.57,
+             RunRow("label_flip", "splitfed_v2", 1, "off", 0.40, -0.57, shortened=4,
                     honest_refused={"STEP_NOT_FINITE": 2})]
     write_results(rows, tmp_path, footer="digits")
     table = (tmp_path / "poison.md").read_text()
-    assert "| label_flip | splitfed_v2 | 1 | off | 0.400 | -57.0 pts | 0 | STEP_NOT_FINITE:2 |" \
-        in table and table.endswith("digits\n")
+    row = "| label_flip | splitfed_v2 | 1 | off | 0.400 | -57.0 pts | 0 | 4 | STEP_NOT_FINITE:2 |"
+    assert row in table and table.endswith("digits\n")
     assert table.startswith(format_table(rows))
     assert json.loads((tmp_path / "poison.json").read_text())[2]["quarantined"] == 3
     assert "OUT_OF_RANGE:6 QUARANTINED:3" in (tmp_path / "poison.csv").read_text()

@@ -9,7 +9,7 @@ import statistics
 import numpy as np
 import pytest
 import torch
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy.bulyan import aggregate_n_closest_weights
 from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from flwr.serverapp.strategy.multikrum import select_multikrum
@@ -25,7 +25,7 @@ from splitlearn.config import AggregationConfig, DataPlaneConfig, RunSpec
 from splitlearn.dataplane import TokenRegistry
 from splitlearn.merge import stage_of
 from splitlearn.messages import record_to_state, state_to_record, with_dtypes_of
-from splitlearn.robust import RobustRule, bound_claims, robust_blocks
+from splitlearn.robust import RobustRule, bound_claims, bound_updates, robust_blocks
 from splitlearn.stages import bottom_state
 from strategies.reporting import ReportingFedAvg, RoundOutcome
 from strategies.splitfed import DataPlaneAccess, SplitFed
@@ -414,3 +414,112 @@ def test_a_robust_rule_that_cannot_hold_is_refused_naming_the_keys(overrides, na
 ])
 def test_a_robust_rule_whose_assumption_holds_is_accepted(overrides):
     check_config(compose_config(overrides))
+
+
+# --- the bound on each device's update --------------------------------------------------------
+
+
+def round_of(updates: list[dict[str, Tensor]], seed: int = 0
+             ) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]:
+    """What each device was given (the same weights) and its state after ``updates``."""
+    generator = torch.Generator().manual_seed(seed)
+    given = {"0.0.weight": torch.randn(3, 2, generator=generator),
+             "0.0.bias": torch.randn(3, generator=generator),
+             "0.1.num_batches_tracked": torch.tensor(5)}
+    states = [{k: v + update.get(k, 0) if v.is_floating_point() else v + 1
+               for k, v in given.items()} for update in updates]
+    return [given] * len(updates), states
+
+
+def update_norm(state: dict[str, Tensor], given: dict[str, Tensor], module: str) -> float:
+    return float(torch.cat([(state[k] - given[k]).flatten() for k in state
+                            if k.rpartition(".")[0] == module and state[k].is_floating_point()
+                            ]).norm())
+
+
+def test_updates_within_the_bound_are_left_exactly_as_they_are():
+    generator = torch.Generator().manual_seed(1)
+    updates = [{"0.0.weight": 0.1 * torch.randn(3, 2, generator=generator)} for _ in range(5)]
+    given, states = round_of(updates)
+    bounded, shortened = bound_updates(states, given, 4.0)
+    assert shortened == [0] * 5
+    assert all(bounded[i][k] is states[i][k] for i in range(5) for k in states[i])
+    assert bound_updates(states, given, 0.0)[1] == [0] * 5  # 0: unbounded
+
+
+@pytest.mark.parametrize("factor", [10.0, -1.0, -10.0])
+def test_scaled_or_negated_weights_are_shortened_to_the_bound_keeping_their_direction(factor):
+    """The attacks of ``experiments.attack poison``: the trained weights times ``factor``."""
+    generator = torch.Generator().manual_seed(2)
+    updates = [{"0.0.weight": 0.1 * torch.randn(3, 2, generator=generator),
+                "0.0.bias": 0.1 * torch.randn(3, generator=generator)} for _ in range(5)]
+    given, states = round_of(updates)
+    liar = {k: factor * v if v.is_floating_point() else v for k, v in states[0].items()}
+    honest = [update_norm(s, given[0], "0.0") for s in states[1:]]
+    bounded, shortened = bound_updates([liar, *states[1:]], given, 2.0)
+    median = sorted([update_norm(liar, given[0], "0.0"), *honest])[2]
+    assert shortened == [1, 0, 0, 0, 0]
+    assert update_norm(bounded[0], given[0], "0.0") == pytest.approx(2.0 * median, rel=1e-5)
+    direction = torch.nn.functional.cosine_similarity(
+        (bounded[0]["0.0.weight"] - given[0]["0.0.weight"]).flatten(),
+        (liar["0.0.weight"] - given[0]["0.0.weight"]).flatten(), dim=0)
+    assert float(direction) == pytest.approx(1.0, abs=1e-6)
+    assert torch.equal(bounded[0]["0.1.num_batches_tracked"], liar["0.1.num_batches_tracked"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(scales=st.lists(st.floats(0.0, 1e4), min_size=1, max_size=9),
+       ratio=st.sampled_from([1.0, 2.0, 4.0]), seed=st.integers(0, 2**16),
+       cuts=st.lists(st.integers(1, 3), min_size=9, max_size=9))
+def test_no_update_of_a_module_exceeds_the_bound_over_its_holders(scales, ratio, seed, cuts):
+    """Per module, over the devices holding it (per-client cuts): every shortened update
+    is at ratio x the lower median of the holders' update norms, the others untouched."""
+    copies = copies_at_cuts(cuts[:len(scales)], seed)
+    given = copies_at_cuts(cuts[:len(scales)], seed + 1)
+    states = [{k: g[k] + s * (c[k] - g[k]) for k in c}
+              for c, g, s in zip(copies, given, scales, strict=True)]
+    bounded, shortened = bound_updates(states, given, ratio)
+    for stage in range(3):
+        key = f"{stage}.w"
+        holders = [i for i, s in enumerate(states) if key in s]
+        if not holders:
+            continue
+        norms = [float((states[i][key] - given[i][key]).norm()) for i in holders]
+        bound = ratio * sorted(norms)[(len(norms) - 1) // 2]
+        for i, norm in zip(holders, norms, strict=True):
+            after = float((bounded[i][key] - given[i][key]).norm())
+            if bound > 0 and norm > bound:  # up to float32's rounding of given + update
+                rounding = 1e-6 * float(given[i][key].abs().max())
+                assert after == pytest.approx(bound, rel=1e-4, abs=rounding)
+            else:
+                assert bounded[i][key] is states[i][key]
+    assert sum(shortened) == sum(
+        1 for i, s in enumerate(states) for k in s if bounded[i][k] is not s[k])
+
+
+def test_the_strategy_bounds_each_update_against_what_the_device_was_given():
+    """Through configure_train and aggregate_train, as a run does: one device scales its
+    weights x10; the average stays within the bound of the honest ones, and its row says so."""
+    given = {"0.w": torch.ones(2, 3)}
+    outcomes: list[RoundOutcome] = []
+    strategy = ReportingFedAvg(protocol="any", spec=RunSpec(), on_round=outcomes.append,
+                               aggregation=AggregationConfig(max_update_ratio=2.0),
+                               min_available_nodes=5, min_train_nodes=5)
+    grid = ScriptedGrid([1, 2, 3, 4, 5], answer=lambda m: m)
+    sent = list(strategy.configure_train(1, state_to_record(given), ConfigRecord(), grid))
+    assert len(sent) == 5
+    updates = {1: 0.1, 2: 0.12, 3: 0.08, 4: 0.11, 5: 9.0}  # 5: ones x 10
+    replies = []
+    for message in sent:
+        node = message.metadata.dst_node_id
+        content = RecordDict({"arrays": state_to_record({"0.w": given["0.w"] + updates[node]}),
+                              "metrics": MetricRecord({"num-examples": 100,
+                                                       "partition-id": node - 1})})
+        replies.append(Message(content=content, reply_to=message))
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    liar = 2.0 * 0.11  # shortened to 2 x the lower median update (0.11 per entry)
+    expected = 1.0 + (0.1 + 0.12 + 0.08 + 0.11 + liar) / 5
+    np.testing.assert_allclose(arrays["0.w"].numpy(), expected, rtol=1e-5)
+    assert metrics["updates-shortened"] == 1
+    [outcome] = outcomes
+    assert {r["node_id"]: r.get("update_shortened") for r in outcome.rows}["5"] == 1

@@ -1,0 +1,191 @@
+"""Whether a U-shaped device's returned gradient is one some labelling of its batch explains.
+
+A U-shaped device keeps its labels and loss; the trunk learns from the gradient it returns
+at the tail cut, ``d (mean loss) / d features``. A device that negates it (gradient ascent)
+within every norm bound pushed the shared trunk up everyone's loss: 1 device in 10 cost
+the default job up to 4 points, 2 in 10 all of it. But an honest gradient has a shape no
+norm bound looks at: for each example it is ``J^T (p - e_y) / B``, the device's tail's
+Jacobian at the features it received times its softmax minus the one-hot of its label, over
+its batch size.
+
+The server can compute that for every candidate label if it knows the device's tail. It
+knows the round's first one (the merged device tails), and an honest device changes its
+tail only by SGD steps on its own batches, with the run's optimiser settings: each
+:class:`DeviceTails` replica replays those steps from the labels the check finds, so it
+stays the device's own tail batch after batch (exactly, when nothing is compressed,
+noised, dropped out or normalised by batch). :func:`label_consistency` then finds, row by
+row, the label whose gradient is nearest the returned one and how far the batch is from
+that labelling. A made-up gradient cannot be explained by any labelling through the tail
+the server replays; a device that lies about its labels instead (a consistent gradient of
+wrong labels) is left to the loss those labels give, which the guard checks as it checks
+the trunk's own loss (:meth:`server.guard.TrunkGuard.check_returned`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from splitlearn.light_sgd import LightSGD
+
+
+@dataclass(frozen=True)
+class Consistency:
+    """How well some labelling explains a returned gradient (:func:`label_consistency`)."""
+
+    #: The batch's distance from the nearest labelling's gradients over the larger of
+    #: their norm and the returned one's: 0 exactly explained, 1 or more for an ascent.
+    residual: float
+    labels: Tensor  # that labelling, per example
+    losses: Tensor  # each example's loss under it, through the tail
+    classes: int
+
+
+def frozen_tail(stages: Sequence[nn.Module]) -> nn.Module:
+    """Return a copy of a device tail's stages in eval mode that nothing trains."""
+    tail = copy.deepcopy(nn.Sequential(*stages)).eval()
+    tail.requires_grad_(False)
+    return tail
+
+
+def label_consistency(tail: nn.Module, features: Tensor, grad: Tensor) -> Consistency | None:
+    """Find the labelling whose gradient is nearest a U-shaped device's returned one.
+
+    Parameters
+    ----------
+    tail : nn.Module
+        The device's tail as the server knows it (its mode is left as it is: a replica
+        in eval mode, so that rows are independent).
+    features : Tensor
+        What the trunk sent for the batch.
+    grad : Tensor
+        What came back: ``d (mean loss) / d features``, ``B`` rows.
+
+    Returns
+    -------
+    Consistency or None
+        None for a tail whose output is not one row of logits per example.
+
+    Notes
+    -----
+    With ``J_i`` the tail's Jacobian at row ``i`` and ``p_i`` its softmax, the honest row
+    times ``B`` is ``J_i^T p_i - J_i^T e_y``: the candidates ``J_i^T e_c`` come from backward
+    passes through the tail batched over the rows and the labels (:func:`_class_rows`). The
+    residual is the Frobenius distance of the batch from the nearest labelling's gradients over
+    the larger of their norm and the returned batch's: a negated gradient is at 1 or
+    more however it is scaled; a batch the model already fits (both near 0) is compared
+    on its own scale, not blown up by dividing by a near-zero norm.
+    """
+    rows = len(features)
+    with torch.enable_grad():
+        inputs = features.detach().float().requires_grad_(True)
+        logits = tail(inputs)
+        if logits.dim() != 2 or len(logits) != rows or rows == 0:
+            return None
+        classes = logits.shape[1]
+        probs = logits.detach().softmax(dim=1)
+        (along_p,) = torch.autograd.grad(logits, inputs, probs, retain_graph=True)
+        along_p = along_p.flatten(1)
+        returned = rows * grad.detach().float().flatten(1)
+        wanted = along_p - returned  # what J^T e_y must be for an honest row
+        nearest = torch.full((rows,), math.inf)
+        labels = torch.zeros(rows, dtype=torch.long)
+        chosen = torch.zeros_like(wanted)
+        for first in range(0, classes, CLASSES_AT_ONCE):
+            block = _class_rows(logits, inputs, range(first, min(classes, first + CLASSES_AT_ONCE)))
+            distance = (wanted.unsqueeze(0) - block).norm(dim=2)  # classes of the block x rows
+            best, at = distance.min(dim=0)
+            closer = best < nearest
+            nearest = torch.where(closer, best, nearest)
+            labels = torch.where(closer, at + first, labels)
+            chosen[closer] = block[at[closer], closer.nonzero().squeeze(1)]
+    scale = max(float((along_p - chosen).norm()), float(returned.norm()))
+    residual = float(nearest.norm()) / scale if scale > 0 else 0.0
+    losses = -probs.gather(1, labels[:, None]).squeeze(1).clamp_min(1e-30).log()
+    return Consistency(residual, labels, losses, classes)
+
+
+#: Candidate labels whose Jacobian rows are computed in one batched backward pass (a
+#: block's rows x classes x features are held at once).
+CLASSES_AT_ONCE = 64
+
+
+def _class_rows(logits: Tensor, inputs: Tensor, labels: range) -> Tensor:
+    """Return ``J_i^T e_c`` for every row ``i`` and label ``c`` in ``labels`` (c x rows x d).
+
+    One vectorised backward pass (``is_grads_batched``; an operation without a batching
+    rule falls back to a loop inside autograd).
+    """
+    rows, classes = logits.shape
+    onehots = torch.zeros(len(labels), rows, classes, dtype=logits.dtype)
+    for index, label in enumerate(labels):
+        onehots[index, :, label] = 1.0
+    (block,) = torch.autograd.grad(logits, inputs, onehots, retain_graph=True,
+                                   is_grads_batched=True)
+    return block.flatten(2)
+
+
+class DeviceTails:
+    """Each U-shaped device's tail this round, as its own SGD steps leave it.
+
+    Parameters
+    ----------
+    lr, momentum, weight_decay : float
+        The devices' optimiser settings (the run's ``strategy``: the trunk's own).
+    """
+
+    def __init__(self, *, lr: float, momentum: float, weight_decay: float) -> None:
+        self.hyper = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+        self._lock = threading.Lock()
+        # client -> (round, its tail replica, that replica's optimiser)
+        self._tails: dict[str, tuple[int, nn.Module, LightSGD]] = {}
+        self._round = 0  # the latest round seen
+
+    def tail(self, client: str, server_round: int, stages: Sequence[nn.Module]) -> nn.Module:
+        """Return ``client``'s replica for ``server_round``, copied from ``stages`` if new.
+
+        ``stages`` are the round's device tail (the trunk's copy of the merged tails).
+        The replica is in eval mode; one client's frames come one at a time, so only its
+        own session uses it.
+        """
+        with self._lock:
+            if server_round > self._round:  # a new round: the last one's devices are done
+                self._round = server_round
+                self._tails = {c: k for c, k in self._tails.items() if k[0] >= server_round}
+            kept = self._tails.get(client)
+            if kept is None or kept[0] != server_round:
+                replica = copy.deepcopy(nn.Sequential(*stages)).eval()
+                replica.requires_grad_(True)
+                kept = self._tails[client] = (server_round, replica,
+                                              LightSGD(replica.parameters(), **self.hyper))
+            return kept[1]
+
+    def learn(self, client: str, features: Tensor, labels: Tensor) -> None:
+        """Replay ``client``'s tail step on its batch (the labels the check found)."""
+        with self._lock:
+            kept = self._tails.get(client)
+        if kept is None:
+            return
+        _, replica, optimizer = kept
+        replica.train()  # as the device trains it (batch norm's batch statistics)
+        try:
+            with torch.enable_grad():
+                loss = nn.functional.cross_entropy(replica(features.detach().float()), labels)
+                params = [p for p in replica.parameters() if p.requires_grad]
+                for param, grad in zip(params, torch.autograd.grad(loss, params), strict=True):
+                    param.grad = grad
+            optimizer.step()
+            optimizer.zero_grad()
+        finally:
+            replica.eval()
+
+    def forget(self) -> None:
+        """Drop every replica (the round ended: the next starts from the merged tails)."""
+        with self._lock:
+            self._tails.clear()
