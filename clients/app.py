@@ -56,7 +56,13 @@ from protocols import PROTOCOLS, Protocol
 from splitlearn.config import RunSpec, decode_spec
 from splitlearn.data import client_dataset, describe_dataset, local_dataset
 from splitlearn.data.cache import PROCESS_DATA, cached_dataset
-from splitlearn.dataplane import GrpcTransport, TrunkChannel, TrunkRejected
+from splitlearn.dataplane import (
+    WEBSOCKET_SCHEMES,
+    GrpcTransport,
+    TrunkChannel,
+    TrunkRejected,
+    WebSocketTransport,
+)
 from splitlearn.dataplane.feedback import ReferenceFeedback
 from splitlearn.dataplane.node_keys import (
     NODE_KEY_QUERY,
@@ -120,17 +126,29 @@ DATA_KEY = "data-path"
 CACHE_KEY = "cache-dir"
 #: Node-config key of the PEM file this node verifies the trunk by (it then requires TLS).
 TRUNK_ROOTS_KEY = "trunk-root-certificates"
+#: Node-config key of how this node reaches the trunk: "grpc" (the default) or "websocket"
+#: (the service browsers use, served with dataplane.websocket_port).
+TRANSPORT_KEY = "trunk-transport"
 
 
-def grpc_channel(address: str, token: str, spec: RunSpec, *,
-                 proof: bytes | None = None) -> TrunkChannel:
-    """Open a channel over a gRPC stream to the trunk service (TLS when the spec says so)."""
+def trunk_channel(address: str, token: str, spec: RunSpec, *,
+                  proof: bytes | None = None) -> TrunkChannel:
+    """Open a channel to the trunk service (TLS when the spec says so).
+
+    ``host:port`` dials its gRPC stream; a ``ws://`` or ``wss://`` URL its WebSocket
+    service (the same frames, as browsers send them).
+    """
     roots = spec.trunk_root_certificates.encode() or None
-    transport = GrpcTransport(
-        address, token, max_frame_bytes=spec.max_frame_bytes,
-        stream_timeout_s=spec.strategy.round_timeout_s,
-        tls=spec.trunk_tls, root_certificates=roots, proof=proof,
-    )
+    transport: GrpcTransport | WebSocketTransport
+    if address.startswith(WEBSOCKET_SCHEMES):
+        transport = WebSocketTransport(address, token, max_frame_bytes=spec.max_frame_bytes,
+                                       root_certificates=roots, proof=proof)
+    else:
+        transport = GrpcTransport(
+            address, token, max_frame_bytes=spec.max_frame_bytes,
+            stream_timeout_s=spec.strategy.round_timeout_s,
+            tls=spec.trunk_tls, root_certificates=roots, proof=proof,
+        )
     return TrunkChannel(
         transport, reply_timeout_s=spec.reply_timeout_s, max_frame_bytes=spec.max_frame_bytes,
         compression=spec.compression,
@@ -168,8 +186,8 @@ class ClientRound:
         protocol = PROTOCOLS[name]
         spec = decode_spec(str(msg.content["config"][SPEC_KEY]), strategy=protocol.options)
         data = msg.content[ROUND_KEY]
-        address = str(data.get("trunk_address", ""))
         node = context.node_config
+        address = trunk_address(data, str(node.get(TRANSPORT_KEY, "") or "grpc"))
         try:
             declared = declared_profile(str(node.get(PROFILE_KEY, "")))
         except ValueError as err:
@@ -275,6 +293,25 @@ def with_device_privacy(spec: RunSpec, declared: DeviceProfile | None, *, partit
     profile = declared or device_profile(spec, partition_id=partition_id,
                                          num_partitions=num_partitions)
     return replace(spec, privacy=spec.privacy.for_device(profile.name if profile else None))
+
+
+def trunk_address(round_record: Mapping[str, object], transport: str) -> str:
+    """Return the address this node dials: the task's gRPC one, or its WebSocket URL.
+
+    Raises
+    ------
+    DeviceFailure
+        For an unknown transport, or ``websocket`` when the trunk serves none.
+    """
+    if transport == "grpc":
+        return str(round_record.get("trunk_address", ""))
+    if transport != "websocket":
+        raise DeviceFailure(f'{TRANSPORT_KEY}="{transport}": expected "grpc" or "websocket"')
+    url = str(round_record.get("trunk_websocket", ""))
+    if round_record.get("trunk_address") and not url:
+        raise DeviceFailure(f'{TRANSPORT_KEY}="websocket", but the trunk serves no WebSocket '
+                            "(the server sets dataplane.websocket_port)")
+    return url
 
 
 def trunk_trust(spec: RunSpec, node_config: Mapping[str, object], *, address: str) -> RunSpec:
@@ -692,7 +729,7 @@ def status_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
         return Message(content=with_declared_profile(content, context), reply_to=msg)
 
 
-def build_client_app(open_channel: ChannelFactory = grpc_channel) -> ClientApp:
+def build_client_app(open_channel: ChannelFactory = trunk_channel) -> ClientApp:
     """Build the ClientApp; its data-plane sessions are opened by ``open_channel``."""
     # SecAgg+'s stages are plain ``train`` messages; its mod answers all but stage 2.
     app = ClientApp(mods=[status_mod, secaggplus_mod])

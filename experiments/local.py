@@ -25,7 +25,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 from omegaconf import DictConfig, OmegaConf
 
-from clients.app import ChannelFactory, build_client_app, grpc_channel
+from clients.app import ChannelFactory, build_client_app, trunk_channel
 from server.app import SplitRuntime, TrainingResult, run_training, start_runtime, stop_runtime
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import InProcessTransport, TrunkChannel, TrunkEndpoint
@@ -154,7 +154,7 @@ def run_local(cfg: DictConfig, *, concurrency: int = 1,
             cfg.logger.plots = False
         runtime = start_runtime(cfg)
         try:
-            channels = (grpc_channel if runtime.workers is not None
+            channels = (trunk_channel if runtime.workers is not None
                         else in_process_channels(runtime.endpoint))
             grid = grid_type(client_app(channels, runtime), num_nodes=cfg.num_clients,
                              concurrency=concurrency)

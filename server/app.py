@@ -49,6 +49,7 @@ from server.workers import (
     TrunkRecipe,
     TrunkWorkers,
     server_credentials,
+    server_ssl_context,
     set_up_trunk_process,
 )
 from splitlearn.aux_head import without_aux
@@ -62,7 +63,12 @@ from splitlearn.config import (
     to_object,
 )
 from splitlearn.data import held_out_dataset
-from splitlearn.dataplane import TokenRegistry, TrunkEndpoint, TrunkService
+from splitlearn.dataplane import (
+    TokenRegistry,
+    TrunkEndpoint,
+    TrunkService,
+    TrunkWebSocketService,
+)
 from splitlearn.dataplane.codec import decode_tensor, encoder
 from splitlearn.evaluation import evaluate_model, intra_op_threads, usable_cores
 from splitlearn.messages import UPDATE_WEIGHT_KEY, record_to_state, state_to_record
@@ -102,6 +108,7 @@ class SplitRuntime:
     planning: CutPlanning | None  # per-client cuts; None: every client at model.cut
     resumed: RunCheckpoint | None = None  # resume=true: the run's last checkpoint
     workers: TrunkWorkers | None = None  # dataplane.trunk_workers > 1: the trunk's processes
+    websocket: TrunkWebSocketService | None = None  # dataplane.websocket_port: for browsers
 
 
 def trunk_recipe(cfg: DictConfig) -> TrunkRecipe:
@@ -136,7 +143,7 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
     set_up_trunk_process(cfg.dataplane)
     protocol = protocol_named(cfg.strategy.name)
     trunk, handler, tokens, endpoint = build_trunk(cfg)
-    service = workers = None
+    service = workers = websocket = None
     if handler is not None and cfg.dataplane.trunk_workers > 1:
         workers = TrunkWorkers(trunk, tokens, trunk_recipe(cfg),
                                workers=cfg.dataplane.trunk_workers)
@@ -148,6 +155,14 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
             server_credentials=server_credentials(to_object(cfg.dataplane)),
         )
         service.start()
+        if cfg.dataplane.websocket_port is not None:
+            websocket = TrunkWebSocketService(
+                endpoint, host=cfg.dataplane.host, port=cfg.dataplane.websocket_port,
+                advertise_host=cfg.dataplane.advertise_host,
+                max_streams=cfg.dataplane.max_streams,
+                ssl_context=server_ssl_context(to_object(cfg.dataplane)),
+            )
+            websocket.start()
     sinks = make_sinks(
         run_dir=run_dir, logger=cfg.logger.name, project=cfg.logger.project,
         group=cfg.logger.group, tags=list(cfg.logger.tags), wandb_mode=cfg.logger.mode,
@@ -173,7 +188,7 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
     planning = make_planning(cfg, trunk, host_flops_per_s=spec.devices.host_flops_per_s or 0.0)
     return SplitRuntime(
         cfg, protocol, spec, run_dir, trunk, handler, tokens, endpoint, service, sinks, fleet,
-        planning, resumed, workers,
+        planning, resumed, workers, websocket,
     )
 
 
@@ -250,6 +265,8 @@ def stop_runtime(runtime: SplitRuntime) -> None:
     """Stop the trunk service and close the sinks (writes plots)."""
     if runtime.service is not None:
         runtime.service.stop()
+    if runtime.websocket is not None:
+        runtime.websocket.stop()
     if runtime.workers is not None:
         runtime.workers.stop()
     runtime.sinks.close()
@@ -298,7 +315,9 @@ def dataplane_access(runtime: SplitRuntime) -> DataPlaneAccess:
         return DataPlaneAccess(runtime.tokens, runtime.workers.addresses[0], ttl_s,
                                route=runtime.workers.route, node_keys=keys)
     assert runtime.service is not None
-    return DataPlaneAccess(runtime.tokens, runtime.service.address, ttl_s, node_keys=keys)
+    websocket = runtime.websocket.url if runtime.websocket is not None else None
+    return DataPlaneAccess(runtime.tokens, runtime.service.address, ttl_s, node_keys=keys,
+                           websocket=websocket)
 
 
 def initial_arrays(runtime: SplitRuntime) -> ArrayRecord:

@@ -39,6 +39,7 @@ import io
 import itertools
 import logging
 import multiprocessing as mp
+import ssl
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -115,6 +116,16 @@ def server_credentials(dataplane: DataPlaneConfig) -> grpc.ServerCredentials | N
     key = Path(dataplane.ssl_keyfile).read_bytes()
     chain = Path(dataplane.ssl_certfile).read_bytes()
     return grpc.ssl_server_credentials([(key, chain)])
+
+
+def server_ssl_context(dataplane: DataPlaneConfig) -> ssl.SSLContext | None:
+    """TLS of the trunk's WebSocket service from the same ``dataplane.ssl_*``, or None."""
+    if dataplane.ssl_certfile is None:
+        return None
+    assert dataplane.ssl_keyfile is not None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(dataplane.ssl_certfile, dataplane.ssl_keyfile)
+    return context
 
 
 def pack(value: Any) -> bytes:

@@ -213,6 +213,10 @@ class DataPlaneConfig:
     host: str = "127.0.0.1"  # bind address; 0.0.0.0 to accept remote devices
     port: int = 0  # 0 = any free port
     advertise_host: str | None = None  # what clients dial, if not `host`
+    # Also serve the data plane over WebSocket (browsers cannot open gRPC streams) on this
+    # port, on the same host, endpoint, tokens and TLS files; 0 = any free port, None = not
+    # at all. Devices whose node config says trunk-transport="websocket" dial it.
+    websocket_port: int | None = None
     max_frame_bytes: int = 64 * 1024 * 1024
     max_batch: int = 4096
     # Finite values beyond this are refused: near float32's limit they overflow the
@@ -255,6 +259,12 @@ class DataPlaneConfig:
     def __post_init__(self) -> None:
         if self.trunk_workers < 1:
             raise ValueError(f"dataplane.trunk_workers={self.trunk_workers}: need at least 1")
+        if self.websocket_port is not None and not 0 <= self.websocket_port <= 65535:
+            raise ValueError(f"dataplane.websocket_port={self.websocket_port}: a port is "
+                             "0-65535 (0: any free one)")
+        if self.websocket_port is not None and self.trunk_workers > 1:
+            raise ValueError("dataplane.websocket_port serves the trunk of this process: it "
+                             f"needs dataplane.trunk_workers=1 (got {self.trunk_workers})")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("dataplane.ssl_certfile and dataplane.ssl_keyfile go together "
                              f"(got {self.ssl_certfile!r} and {self.ssl_keyfile!r})")
@@ -446,8 +456,8 @@ class AggregationConfig:
     # given, is shortened to this x the round's (lower) median update of that module over
     # the devices holding it; 0 = unbounded. Not under secure=true (the server sees only
     # the sum). Stops scaled and negated device weights from 1 and 2 devices of 10 with the
-    # weighted mean; it shortened 4-5 of 200 honest device-rounds in the default job and
-    # 4-7 of 200 under +scenario=heterogeneous, at the same final accuracy as without.
+    # weighted mean; it shortened 2-5 of 200 honest device-rounds in the default job and
+    # 2-7 of 200 under +scenario=heterogeneous, at the final accuracy of runs without it.
     max_update_ratio: float = 4.0
 
     def __post_init__(self) -> None:

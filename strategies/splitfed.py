@@ -44,6 +44,9 @@ class DataPlaneAccess:
     node_keys : NodeKeys, optional
         Binds each token to its node's key (learned through Flower first); without it
         tokens are bearer secrets.
+    websocket : str, optional
+        The URL of the same trunk's WebSocket service (``dataplane.websocket_port``), for
+        devices that dial it (browsers); None when it is not served.
     """
 
     tokens: TokenRegistry
@@ -51,6 +54,7 @@ class DataPlaneAccess:
     ttl_s: float
     route: Callable[[str], str] | None = None
     node_keys: NodeKeys | None = None
+    websocket: str | None = None
 
     def address_for(self, token: str) -> str:
         """Return the address the holder of ``token`` dials."""
@@ -204,7 +208,10 @@ class SplitFed(ReportingFedAvg):
             server_round=server_round, ttl_s=self.dataplane.ttl_s,
             node_key=None if keys is None else keys.of(node),
         )
-        return record | {"trunk_address": self.dataplane.address_for(token), "token": token}
+        record |= {"trunk_address": self.dataplane.address_for(token), "token": token}
+        if self.dataplane.websocket is not None:
+            record["trunk_websocket"] = self.dataplane.websocket
+        return record
 
     def finish_round(self, server_round: int, finished: list[Message]) -> None:
         """Close the round's sessions, then let the trunk settle the finished clients."""

@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 import copy
+import ssl
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from splitlearn.dataplane import (
     TrunkChannel,
     TrunkEndpoint,
     TrunkService,
+    TrunkWebSocketService,
+    WebSocketTransport,
 )
 from splitlearn.models import SplittableModel, build_model
 
@@ -47,6 +50,9 @@ class TrunkServer:
     endpoint: TrunkEndpoint
     service: TrunkService
     protocol: str
+    #: The same endpoint over WebSocket, started by the first :meth:`channel` that asks.
+    websocket: TrunkWebSocketService | None = None
+    ws_context: ssl.SSLContext | None = None  # TLS of that service (wss://)
 
     def token(self, cut: int, client: str = "c0", server_round: int = 1, ttl_s: float = 60,
               node_key: bytes | None = None) -> str:
@@ -54,11 +60,24 @@ class TrunkServer:
                                  server_round=server_round, ttl_s=ttl_s, node_key=node_key)
 
     def channel(self, token: str, *, tls: bool = False, root_certificates: bytes | None = None,
-                proof: bytes | None = None, **kwargs) -> TrunkChannel:
-        """A client channel over gRPC (TLS with ``tls`` or ``root_certificates``)."""
-        transport = GrpcTransport(self.service.address, token, max_frame_bytes=1 << 22,
-                                  tls=tls, root_certificates=root_certificates, proof=proof)
-        return TrunkChannel(transport, max_frame_bytes=1 << 22, **kwargs)
+                proof: bytes | None = None, transport: str = "grpc", **kwargs) -> TrunkChannel:
+        """A client channel over gRPC (TLS with ``tls`` or ``root_certificates``), or over
+        the WebSocket service with ``transport="websocket"``."""
+        link: GrpcTransport | WebSocketTransport
+        if transport == "websocket":
+            link = WebSocketTransport(self.websocket_url(), token, max_frame_bytes=1 << 22,
+                                      root_certificates=root_certificates, proof=proof)
+        else:
+            link = GrpcTransport(self.service.address, token, max_frame_bytes=1 << 22,
+                                 tls=tls, root_certificates=root_certificates, proof=proof)
+        return TrunkChannel(link, max_frame_bytes=1 << 22, **kwargs)
+
+    def websocket_url(self) -> str:
+        """Start the WebSocket service on the same endpoint (once); return its URL."""
+        if self.websocket is None:
+            self.websocket = TrunkWebSocketService(self.endpoint, ssl_context=self.ws_context)
+            self.websocket.start()
+        return self.websocket.url
 
     def local_channel(self, token: str, **kwargs) -> TrunkChannel:
         """A client channel calling the endpoint directly (same frames and checks)."""
@@ -74,6 +93,7 @@ def start_trunk_server(
     dataplane: DataPlaneConfig | None = None,
     handler: Callable[[Trunk, DataPlaneConfig], SessionHandler] | None = None,
     channels_last: bool | None = None,
+    ws_context: ssl.SSLContext | None = None,
     **service_kwargs,
 ) -> TrunkServer:
     """Serve a copy of ``model`` with ``protocol``'s session handler (or ``handler``).
@@ -93,7 +113,8 @@ def start_trunk_server(
     endpoint = TrunkEndpoint({protocol: session_handler}, tokens, dataplane=dataplane)
     service = TrunkService(endpoint, host="127.0.0.1", port=0, **service_kwargs)
     service.start()
-    return TrunkServer(server_model, trunk, session_handler, tokens, endpoint, service, protocol)
+    return TrunkServer(server_model, trunk, session_handler, tokens, endpoint, service, protocol,
+                       ws_context=ws_context)
 
 
 @pytest.fixture
@@ -137,6 +158,8 @@ def trunk_server_factory() -> Iterator[Callable[..., TrunkServer]]:
     yield make
     for s in servers:
         s.service.stop(0)
+        if s.websocket is not None:
+            s.websocket.stop()
 
 
 def digits_like_model(name: str = "cnn", seed: int = 0) -> SplittableModel:

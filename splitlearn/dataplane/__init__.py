@@ -3,7 +3,8 @@
 ``trunk.proto`` is the contract (compiled to ``trunk_pb2``); :mod:`.frames` writes and
 reads its messages without copying tensor bytes, :mod:`.codec` encodes tensors and checks
 frames, :mod:`.tokens` grants sessions, :mod:`.endpoint` serves them without a
-transport, :mod:`.service` over gRPC, and :mod:`.channel` is the client side.
+transport, :mod:`.service` over gRPC and :mod:`.websocket` over WebSocket (for
+browsers: the same frames), and :mod:`.channel` is the client side.
 
 What a client of another language needs beside ``trunk.proto``: the stream's full method
 name (:data:`EXCHANGE_METHOD`), and the gRPC metadata keys of the session token
@@ -22,11 +23,17 @@ from splitlearn.dataplane.endpoint import Session, SessionHandler, TrunkEndpoint
 from splitlearn.dataplane.node_keys import PROOF_METADATA_KEY
 from splitlearn.dataplane.service import EXCHANGE_METHOD, TOKEN_METADATA_KEY, TrunkService
 from splitlearn.dataplane.tokens import SessionGrant, TokenRegistry
+from splitlearn.dataplane.websocket import (
+    WEBSOCKET_SCHEMES,
+    TrunkWebSocketService,
+    WebSocketTransport,
+)
 
 __all__ = [
     "EXCHANGE_METHOD",
     "PROOF_METADATA_KEY",
     "TOKEN_METADATA_KEY",
+    "WEBSOCKET_SCHEMES",
     "FrameError",
     "GrpcTransport",
     "InProcessTransport",
@@ -39,4 +46,6 @@ __all__ = [
     "TrunkEndpoint",
     "TrunkRejected",
     "TrunkService",
+    "TrunkWebSocketService",
+    "WebSocketTransport",
 ]

@@ -390,6 +390,48 @@ export class DeviceStages {
   }
 
   /**
+   * A U-shaped tail's part: the mean cross-entropy of the last forward's output (logits)
+   * against ``labels``, as nn.functional.cross_entropy gives it; every parameter's gradient
+   * of that loss (kept for step()) and its gradient with respect to the forward's inputs,
+   * in PyTorch's layout (what the device returns to the trunk). The forward is recomputed,
+   * as in backwardFromCutGradient.
+   */
+  lossBackward(labels: ArrayLike<number>): { loss: number; correct: number; inputGrad: Encoded } {
+    if (!this.inputs) throw new Error("splitlearn web runtime: backward before forward");
+    const pass: Pass = { training: this.training, updateStats: false, masks: this.masks };
+    const trainables = this.trainables();
+    const x = tf.variable(this.inputs, true); // the inputs as a variable: their gradient too
+    const y = tf.tensor1d(Array.from(labels), "int32");
+    let predicted: tf.Tensor | null = null;
+    try {
+      const { value, grads } = tf.variableGrads(() => {
+        const logits = this.run(x, pass);
+        if (logits.rank !== 2 || logits.shape[0] !== y.shape[0]) {
+          throw new Error(`splitlearn web runtime: the loss needs logits [batch, classes] for ` +
+            `${y.shape[0]} labels, the stages give [${logits.shape}]`);
+        }
+        predicted = tf.keep(tf.argMax(logits, 1));
+        const onehot = tf.oneHot(y, logits.shape[1]);
+        return tf.neg(tf.mean(tf.sum(tf.mul(onehot, tf.logSoftmax(logits)), 1))) as tf.Scalar;
+      }, [...trainables.map((p) => p.variable), x]);
+      const loss = value.dataSync()[0];
+      const correct = tf.tidy(() => tf.sum(tf.equal(predicted as unknown as tf.Tensor,
+                                                    y)).dataSync()[0]);
+      value.dispose();
+      this.grads?.forEach((g) => g.dispose());
+      this.grads = new Map(trainables.map((p) => [p.key, grads[p.variable.name]]));
+      const dx = grads[x.name];
+      const inputGrad = encode(dx.shape, dx.dataSync() as Float32Array);
+      dx.dispose();
+      return { loss, correct, inputGrad };
+    } finally {
+      x.dispose();
+      y.dispose();
+      (predicted as tf.Tensor | null)?.dispose();
+    }
+  }
+
+  /**
    * One torch.optim.SGD step with the last backward's gradients: weight decay added to the
    * gradient, momentum buffer b = momentum * b + g (b = g on the first step), p -= lr * b.
    */

@@ -1,0 +1,167 @@
+// A web device's session with the trunk: the WebSocket service of
+// splitlearn/dataplane/websocket.py, the same trunk.proto frames as the gRPC stream.
+import { Encoded } from "./codec";
+import {
+  backwardRequest, DType, float32Values, forwardRequest, int64Tensor, readReply, Reply, Tensor,
+} from "./wire";
+
+/** The trunk refused a frame (nothing changed there); ``reason`` is trunk.proto's name. */
+export class TrunkRefused extends Error {
+  constructor(readonly reason: string, readonly detail: string) {
+    super(`${reason}: ${detail}`);
+  }
+}
+
+function fromBase64(text: string): Uint8Array {
+  const binary = atob(text);
+  const bytes = new Uint8Array(binary.length);
+  for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
+  return bytes;
+}
+
+function toBase64(bytes: Uint8Array): string {
+  let binary = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) {
+    binary += String.fromCharCode.apply(null, Array.from(bytes.subarray(i, i + 0x8000)));
+  }
+  return btoa(binary);
+}
+
+/** The runtime's tensors (float32 little-endian, base64) are a FLOAT32 tensor's bytes. */
+export function tensorOf(encoded: Encoded): Tensor {
+  return { dtype: DType.FLOAT32, shape: encoded.shape.slice(), data: fromBase64(encoded.data) };
+}
+
+export function encodedOf(tensor: Tensor): Encoded {
+  float32Values(tensor); // checks the dtype and the length
+  return { shape: tensor.shape.slice(), data: toBase64(tensor.data) };
+}
+
+/** The reply's tensor, when it is of ``kind``; a refusal throws TrunkRefused. */
+function expect(reply: Reply, kind: Reply["kind"]): Tensor {
+  if (reply.kind === "refusal") throw new TrunkRefused(reply.reason ?? "", reply.detail ?? "");
+  if (reply.kind !== kind || !reply.tensor) {
+    throw new Error(`splitlearn trunk: a '${reply.kind}' reply where '${kind}' belongs`);
+  }
+  return reply.tensor;
+}
+
+type Waiter = { resolve: (reply: Uint8Array) => void; reject: (err: Error) => void };
+
+export class TrunkSocket {
+  bytesUp = 0;
+  bytesDown = 0;
+  private seq = 0;
+  private waiter: Waiter | null = null;
+  private closed: string | null = null;
+
+  private constructor(private readonly ws: WebSocket) {}
+
+  /**
+   * Open a session: connect, send the hello ({token, proof}), wait for {"attached": true}.
+   * Rejects with the trunk's reason when it closes the socket instead (a bad token, ...).
+   */
+  static open(url: string, token: string, proof: string | null = null,
+              timeoutMs = 10000): Promise<TrunkSocket> {
+    return new Promise((resolve, reject) => {
+      const ws = new WebSocket(url);
+      ws.binaryType = "arraybuffer";
+      const socket = new TrunkSocket(ws);
+      const timer = setTimeout(() => {
+        ws.close();
+        reject(new Error(`splitlearn trunk: no answer from ${url} within ${timeoutMs} ms`));
+      }, timeoutMs);
+      ws.onopen = () => ws.send(JSON.stringify(proof ? { token, proof } : { token }));
+      ws.onmessage = (event) => {
+        clearTimeout(timer);
+        if (typeof event.data === "string" && JSON.parse(event.data).attached === true) {
+          socket.listen();
+          resolve(socket);
+        } else {
+          ws.close();
+          reject(new Error("splitlearn trunk: an unexpected answer to the hello"));
+        }
+      };
+      ws.onclose = (event) => {
+        clearTimeout(timer);
+        reject(new Error(event.reason || `splitlearn trunk: closed (code ${event.code})`));
+      };
+    });
+  }
+
+  private listen(): void {
+    this.ws.onmessage = (event) => {
+      const waiter = this.waiter;
+      this.waiter = null;
+      if (!waiter) return; // a reply nobody waits for: the trunk answers one per request
+      if (typeof event.data === "string") {
+        waiter.reject(new Error("splitlearn trunk: text where a reply frame belongs"));
+        return;
+      }
+      const bytes = new Uint8Array(event.data as ArrayBuffer);
+      this.bytesDown += bytes.length;
+      waiter.resolve(bytes);
+    };
+    this.ws.onclose = (event) => {
+      this.closed = event.reason || `closed (code ${event.code})`;
+      this.waiter?.reject(new Error(`splitlearn trunk: ${this.closed}`));
+      this.waiter = null;
+    };
+  }
+
+  /** Send one request frame; resolve with its reply frame, decoded. */
+  call(frame: Uint8Array, timeoutMs = 600000): Promise<Reply> {
+    if (this.closed !== null) {
+      return Promise.reject(new Error(`splitlearn trunk: ${this.closed}`));
+    }
+    if (this.waiter !== null) {
+      return Promise.reject(new Error("splitlearn trunk: one request at a time"));
+    }
+    return new Promise<Uint8Array>((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.waiter = null;
+        this.ws.close();
+        reject(new Error(`splitlearn trunk: no reply within ${timeoutMs} ms`));
+      }, timeoutMs);
+      this.waiter = {
+        resolve: (reply) => { clearTimeout(timer); resolve(reply); },
+        reject: (err) => { clearTimeout(timer); reject(err); },
+      };
+      this.bytesUp += frame.length;
+      this.ws.send(frame);
+    }).then(readReply);
+  }
+
+  nextSeq(): number {
+    this.seq += 1;
+    return this.seq;
+  }
+
+  /** The split step's exchange: activations and labels up, the gradient at the cut down. */
+  async forward(activations: Encoded, labels: ArrayLike<number>
+                ): Promise<{ grad: Encoded; loss: number; correct: number }> {
+    const reply = await this.call(forwardRequest(this.nextSeq(), tensorOf(activations),
+                                                 int64Tensor(labels)));
+    if (reply.kind === "refusal") throw new TrunkRefused(reply.reason ?? "", reply.detail ?? "");
+    if (reply.kind !== "gradient" || !reply.tensor) {
+      throw new Error(`splitlearn trunk: a '${reply.kind}' reply to a forward`);
+    }
+    return { grad: encodedOf(reply.tensor), loss: reply.loss ?? 0, correct: reply.correct ?? 0 };
+  }
+
+  /** U-shaped: the activations up (no labels), the trunk's features at the tail cut down. */
+  async forwardFeatures(activations: Encoded): Promise<Encoded> {
+    const reply = await this.call(forwardRequest(this.nextSeq(), tensorOf(activations), null));
+    return encodedOf(expect(reply, "features"));
+  }
+
+  /** U-shaped: d loss / d features up, the gradient at the cut down. */
+  async backward(grad: Encoded): Promise<Encoded> {
+    const reply = await this.call(backwardRequest(this.nextSeq(), tensorOf(grad)));
+    return encodedOf(expect(reply, "gradient"));
+  }
+
+  close(): void {
+    this.ws.close(1000, "done");
+  }
+}
