@@ -76,11 +76,53 @@ def label_consistency(tail: nn.Module, features: Tensor, grad: Tensor) -> Consis
     -----
     With ``J_i`` the tail's Jacobian at row ``i`` and ``p_i`` its softmax, the honest row
     times ``B`` is ``J_i^T p_i - J_i^T e_y``: the candidates ``J_i^T e_c`` come from backward
-    passes through the tail batched over the rows and the labels (:func:`_class_rows`). The
+    passes through the tail batched over the rows and the labels (:func:`_class_rows`), or,
+    for a tail that is one ``nn.Linear``, are its weight's rows (a tenth of the time). The
     residual is the Frobenius distance of the batch from the nearest labelling's gradients over
     the larger of their norm and the returned batch's: a negated gradient is at 1 or
     more however it is scaled; a batch the model already fits (both near 0) is compared
     on its own scale, not blown up by dividing by a near-zero norm.
+    """
+    rows = len(features)
+    linear = _lone_linear(tail)
+    if linear is not None and features.dim() == 2 and rows:  # the Jacobian is the weight
+        with torch.no_grad():
+            inputs = features.detach().float()
+            logits = linear(inputs)
+            probs = logits.softmax(dim=1)
+            classes = logits.shape[1]
+            weight = linear.weight.float()
+            along_p = probs @ weight
+            returned = rows * grad.detach().float().flatten(1)
+            distances = torch.cdist(along_p - returned, weight,  # rows x classes, exactly
+                                    compute_mode="donot_use_mm_for_euclid_dist")
+            nearest, labels = distances.min(dim=1)
+            chosen = weight[labels]
+    else:
+        found = _nearest_labels(tail, features, grad)
+        if found is None:
+            return None
+        along_p, returned, nearest, labels, chosen, probs = found
+        classes = probs.shape[1]
+    scale = max(float((along_p - chosen).norm()), float(returned.norm()))
+    residual = float(nearest.norm()) / scale if scale > 0 else 0.0
+    losses = -probs.gather(1, labels[:, None]).squeeze(1).clamp_min(1e-30).log()
+    return Consistency(residual, labels, losses, classes)
+
+
+def _lone_linear(tail: nn.Module) -> nn.Linear | None:
+    """Return the tail's only module when it is an ``nn.Linear`` (the common last stage)."""
+    while isinstance(tail, nn.Sequential) and len(tail) == 1:
+        tail = tail[0]
+    return tail if isinstance(tail, nn.Linear) else None
+
+
+def _nearest_labels(tail: nn.Module, features: Tensor, grad: Tensor
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor] | None:
+    """Find each row's nearest label through autograd, for any tail (None: no logits).
+
+    Returns ``J^T p``, the returned rows times B, each row's nearest distance and label,
+    that label's ``J^T e_y`` and the softmax.
     """
     rows = len(features)
     with torch.enable_grad():
@@ -105,10 +147,7 @@ def label_consistency(tail: nn.Module, features: Tensor, grad: Tensor) -> Consis
             nearest = torch.where(closer, best, nearest)
             labels = torch.where(closer, at + first, labels)
             chosen[closer] = block[at[closer], closer.nonzero().squeeze(1)]
-    scale = max(float((along_p - chosen).norm()), float(returned.norm()))
-    residual = float(nearest.norm()) / scale if scale > 0 else 0.0
-    losses = -probs.gather(1, labels[:, None]).squeeze(1).clamp_min(1e-30).log()
-    return Consistency(residual, labels, losses, classes)
+    return along_p, returned, nearest, labels, chosen, probs
 
 
 #: Candidate labels whose Jacobian rows are computed in one batched backward pass (a

@@ -242,3 +242,17 @@ def test_labels_found_in_blocks_or_one_by_one_are_the_same(batch, monkeypatch, a
         assert torch.equal(found.labels, targets) and found.residual < 1e-5
         reference.append(label_consistency(tail, features, -grad).residual)
     assert reference[0] > 0.9 and reference[1] > 0.9
+
+
+def test_a_linear_tails_closed_form_equals_autograds(batch):
+    """A lone Linear's Jacobian is its weight; the same Linear behind an Identity goes
+    through autograd: the same labels, losses and residuals."""
+    tail, features, labels = batch
+    behind = nn.Sequential(nn.Identity(), tail)
+    _, grad = features_and_gradient(tail, features, labels)
+    for returned in (grad, -3 * grad, grad + 0.1 * grad.std() * torch.randn_like(grad)):
+        fast, slow = label_consistency(tail, features, returned), label_consistency(
+            behind, features, returned)
+        assert torch.equal(fast.labels, slow.labels)
+        torch.testing.assert_close(fast.losses, slow.losses)
+        assert fast.residual == pytest.approx(slow.residual, rel=1e-4, abs=1e-6)
