@@ -25,7 +25,7 @@ web: web/dist/device.js chromium  ## the web runtime's bundle and Chromium (the 
 web/node_modules/.package-lock.json: web/package.json web/package-lock.json
 	npm ci --prefix web --no-audit --no-fund --loglevel=error
 
-web/dist/device.js: web/node_modules/.package-lock.json web/build.mjs $(wildcard web/src/*.ts)
+web/dist/device.js: web/node_modules/.package-lock.json web/build.mjs web/tsconfig.json $(wildcard web/src/*.ts)
 	npm run build --prefix web --silent
 
 chromium:

@@ -91,7 +91,9 @@ const HWIO_TO_OIHW = [3, 2, 0, 1];
  * batch becomes the channels that are summed, and the stride the gradient's dilation.
  */
 function conv2d(x: tf.Tensor4D, w: tf.Tensor4D, strides: [number, number]): tf.Tensor4D {
-  const op = tf.customGrad(((input: tf.Tensor4D, filter: tf.Tensor4D, save: tf.GradSaveFunc) => {
+  // customGrad's typing takes (...inputs, save) as one list of Tensor | GradSaveFunc.
+  const op = tf.customGrad(((...args: (tf.Tensor | tf.GradSaveFunc)[]) => {
+    const [input, filter, save] = args as [tf.Tensor4D, tf.Tensor4D, tf.GradSaveFunc];
     save([input, filter]);
     return {
       value: tf.conv2d(input, filter, strides, "valid"),
@@ -106,8 +108,18 @@ function conv2d(x: tf.Tensor4D, w: tf.Tensor4D, strides: [number, number]): tf.T
         return [dx, dw];
       },
     };
-  }) as unknown as (a: tf.Tensor, b: tf.Tensor) => tf.Tensor);
+  }) as Parameters<typeof tf.customGrad>[0]);
   return op(x, w) as tf.Tensor4D;
+}
+
+/** The tensor ``make`` returns (in a tidy scope), encoded, then disposed. */
+function encoded(make: () => tf.Tensor): Encoded {
+  const tensor = tf.tidy(make);
+  try {
+    return encode(tensor.shape, tensor.dataSync() as Float32Array);
+  } finally {
+    tensor.dispose();
+  }
 }
 
 export class DeviceStages {
@@ -318,10 +330,7 @@ export class DeviceStages {
   }
 
   private toTorch(param: Param, value: tf.Tensor): Encoded {
-    return tf.tidy(() => {
-      const moved = param.toTorch ? tf.transpose(value, param.toTorch) : value;
-      return encode(moved.shape, moved.dataSync() as Float32Array);
-    });
+    return encoded(() => (param.toTorch ? tf.transpose(value, param.toTorch) : tf.clone(value)));
   }
 
   private check(shape: number[], what: string): void {
@@ -348,10 +357,7 @@ export class DeviceStages {
     this.inputs = tf.keep(tf.tensor(decode(inputs), inputs.shape, "float32"));
     this.training = mode === "train";
     const pass: Pass = { training: this.training, updateStats: true, masks: this.masks };
-    return tf.tidy(() => {
-      const out = this.run(this.inputs as tf.Tensor, pass);
-      return encode(out.shape, out.dataSync() as Float32Array);
-    });
+    return encoded(() => this.run(this.inputs as tf.Tensor, pass));
   }
 
   /**
@@ -402,7 +408,7 @@ export class DeviceStages {
     const trainables = this.trainables();
     const x = tf.variable(this.inputs, true); // the inputs as a variable: their gradient too
     const y = tf.tensor1d(Array.from(labels), "int32");
-    let predicted: tf.Tensor | null = null;
+    const kept: { predicted: tf.Tensor | null } = { predicted: null };
     try {
       const { value, grads } = tf.variableGrads(() => {
         const logits = this.run(x, pass);
@@ -410,13 +416,14 @@ export class DeviceStages {
           throw new Error(`splitlearn web runtime: the loss needs logits [batch, classes] for ` +
             `${y.shape[0]} labels, the stages give [${logits.shape}]`);
         }
-        predicted = tf.keep(tf.argMax(logits, 1));
-        const onehot = tf.oneHot(y, logits.shape[1]);
+        kept.predicted = tf.keep(tf.argMax(logits, 1));
+        const onehot = tf.oneHot(y, logits.shape[1] as number);
         return tf.neg(tf.mean(tf.sum(tf.mul(onehot, tf.logSoftmax(logits)), 1))) as tf.Scalar;
       }, [...trainables.map((p) => p.variable), x]);
       const loss = value.dataSync()[0];
-      const correct = tf.tidy(() => tf.sum(tf.equal(predicted as unknown as tf.Tensor,
-                                                    y)).dataSync()[0]);
+      const hits = tf.tidy(() => tf.sum(tf.equal(kept.predicted as tf.Tensor, y)));
+      const correct = hits.dataSync()[0];
+      hits.dispose();
       value.dispose();
       this.grads?.forEach((g) => g.dispose());
       this.grads = new Map(trainables.map((p) => [p.key, grads[p.variable.name]]));
@@ -427,7 +434,7 @@ export class DeviceStages {
     } finally {
       x.dispose();
       y.dispose();
-      (predicted as tf.Tensor | null)?.dispose();
+      kept.predicted?.dispose();
     }
   }
 
@@ -468,10 +475,8 @@ export class DeviceStages {
   dropoutMasks(): Record<string, Encoded> {
     const result: Record<string, Encoded> = {};
     this.masks.forEach((mask, index) => {
-      result[this.layers[index].name] = tf.tidy(() => {
-        const m = mask.rank === 4 ? tf.transpose(mask, NHWC_TO_NCHW) : mask;
-        return encode(m.shape, m.dataSync() as Float32Array);
-      });
+      result[this.layers[index].name] = encoded(
+        () => (mask.rank === 4 ? tf.transpose(mask, NHWC_TO_NCHW) : tf.clone(mask)));
     });
     return result;
   }
