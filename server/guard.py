@@ -228,14 +228,17 @@ class TrunkGuard:
             self._check_loss_of(sender, loss, cut, classes=classes)
 
     def _check_loss_of(self, sender: tuple[str, int], loss: float, cut: int, *,
-                       classes: int) -> None:
-        """Check ``sender``'s batch loss at ``cut`` (see :meth:`check_loss`)."""
+                       classes: int, floor: float = 1.0) -> None:
+        """Check ``sender``'s batch loss at ``cut`` (see :meth:`check_loss`).
+
+        The bound is at least ``floor`` times the chance level ``ln classes``.
+        """
         if not self.config.loss_factor or not math.isfinite(loss):
             return
         with self._lock:
             window = self._loss_window(cut)
             if window.median is not None:
-                bound = max(math.log(classes), self.config.loss_factor * window.median)
+                bound = max(floor * math.log(classes), self.config.loss_factor * window.median)
                 if loss > bound:
                     self.loss_refused += 1
                     self._strike(*sender)
@@ -253,8 +256,9 @@ class TrunkGuard:
         :mod:`server.consistency`), ``features`` what the trunk sent for the batch and
         ``grad`` what came back. Called before the trunk backpropagates ``grad``. The
         labels found also give the batch's loss, which is checked as :meth:`check_loss`
-        checks the trunk's own. Returns what :func:`label_consistency` found (None: not
-        checked).
+        checks the trunk's own, against a bound of at least ``tail_loss_floor`` times the
+        chance level (a device's own tail gives honest losses a wider spread). Returns what
+        :func:`label_consistency` found (None: not checked).
 
         Raises
         ------
@@ -280,7 +284,7 @@ class TrunkGuard:
                     f"tail; the bound is {bound:.3g} (recent median {window.median or 0:.3g})"))
             window.add([found.residual])
         self._check_loss_of((client, server_round), float(found.losses.mean()), cut,
-                            classes=found.classes)
+                            classes=found.classes, floor=self.config.tail_loss_floor)
         return found
 
     def _residual_window(self, cut: int) -> _Window:

@@ -182,9 +182,13 @@ class GuardConfig:
     # replays: server/consistency.py) is beyond max(residual_floor, residual_factor x the
     # recent median), relative to its norm (residual_floor 0: not checked). On the default
     # job honest batches measured at most 3e-4, negated ones (gradient ascent) 0.82 to 1.2.
-    # The labels found give the batch's loss, checked as above.
+    # The labels found give the batch's loss, checked as above but never below
+    # tail_loss_floor x ln C: that loss goes through the device's own tail, averaged over
+    # skewed devices, and an honest batch under +scenario=heterogeneous measured 2.74 (above
+    # ln C = 2.30) beside a recent median of 0.10; flipped labels measured 13-14.
     residual_floor: float = 0.25
     residual_factor: float = 4.0
+    tail_loss_floor: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.row_factor > 1:
@@ -198,6 +202,8 @@ class GuardConfig:
                              "(0: not checked)")
         if not self.residual_factor > 1:
             raise ValueError(f"dataplane.guard.residual_factor={self.residual_factor}: need > 1")
+        if not self.tail_loss_floor >= 1:
+            raise ValueError(f"dataplane.guard.tail_loss_floor={self.tail_loss_floor}: need >= 1")
         if not (self.loss_factor == 0 or self.loss_factor > 1):
             raise ValueError(f"dataplane.guard.loss_factor={self.loss_factor}: need 0 (off) "
                              "or > 1")
