@@ -45,6 +45,7 @@ class Consistency:
     labels: Tensor  # that labelling, per example
     losses: Tensor  # each example's loss under it, through the tail
     classes: int
+    probs: Tensor  # the tail's softmax of each example (what the replica's step starts from)
 
 
 def frozen_tail(stages: Sequence[nn.Module]) -> nn.Module:
@@ -107,7 +108,7 @@ def label_consistency(tail: nn.Module, features: Tensor, grad: Tensor) -> Consis
     scale = max(float((along_p - chosen).norm()), float(returned.norm()))
     residual = float(nearest.norm()) / scale if scale > 0 else 0.0
     losses = -probs.gather(1, labels[:, None]).squeeze(1).clamp_min(1e-30).log()
-    return Consistency(residual, labels, losses, classes)
+    return Consistency(residual, labels, losses, classes, probs)
 
 
 def _lone_linear(tail: nn.Module) -> nn.Linear | None:
@@ -205,13 +206,32 @@ class DeviceTails:
                                               LightSGD(replica.parameters(), **self.hyper))
             return kept[1]
 
-    def learn(self, client: str, features: Tensor, labels: Tensor) -> None:
-        """Replay ``client``'s tail step on its batch (the labels the check found)."""
+    def learn(self, client: str, features: Tensor, labels: Tensor,
+              probs: Tensor | None = None) -> None:
+        """Replay ``client``'s tail step on its batch (the labels the check found).
+
+        For a tail that is one ``nn.Linear``, with ``probs`` (its softmax of the batch,
+        from the check), the gradient is ``(probs - onehot)^T features / B`` (and its mean
+        for the bias), without autograd; any other tail's comes from autograd, in train
+        mode as the device trains it.
+        """
         with self._lock:
             kept = self._tails.get(client)
         if kept is None:
             return
         _, replica, optimizer = kept
+        linear = _lone_linear(replica)
+        if linear is not None and probs is not None and features.dim() == 2:
+            with torch.no_grad():
+                error = probs.clone()
+                error[torch.arange(len(labels)), labels] -= 1.0
+                error /= len(labels)
+                linear.weight.grad = (error.T @ features.float()).to(linear.weight.dtype)
+                if linear.bias is not None:
+                    linear.bias.grad = error.sum(dim=0).to(linear.bias.dtype)
+            optimizer.step()
+            optimizer.zero_grad()
+            return
         replica.train()  # as the device trains it (batch norm's batch statistics)
         try:
             with torch.enable_grad():

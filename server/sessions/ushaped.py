@@ -234,7 +234,7 @@ class UShapedSession:
                                  "the pending forward was replaced while this backward arrived")
         cut_grad = self._apply(pending, grad)
         if found is not None:  # the device steps its tail now: so does its replica
-            self.tails.learn(client, pending.features, found.labels)
+            self.tails.learn(client, pending.features, found.labels, found.probs)
         return pending, cut_grad
 
     def _apply(self, pending: Pending, grad: Tensor) -> Tensor:

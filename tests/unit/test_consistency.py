@@ -80,9 +80,11 @@ def test_a_tail_without_logits_is_not_checked(batch):
     assert label_consistency(nn.Identity(), features[:, :4, None], features[:, :4, None]) is None
 
 
-def test_the_replica_follows_the_devices_own_tail_steps():
+@pytest.mark.parametrize("closed_form", [True, False], ids=["closed-form", "autograd"])
+def test_the_replica_follows_the_devices_own_tail_steps(closed_form):
     """Replayed from the labels the check finds, the replica stays the device's tail; the
-    round's first tail does not (the drift the replica removes)."""
+    round's first tail does not (the drift the replica removes). A Linear tail's step in
+    closed form (from the check's softmax) and through autograd alike."""
     model = digits_like_model("cnn")
     stages, tail_cut = list(model.stages), model.num_stages - 1
     device_tail = copy.deepcopy(nn.Sequential(*stages[tail_cut:]))  # the device's own copy
@@ -101,7 +103,7 @@ def test_the_replica_follows_the_devices_own_tail_steps():
         optimizer.zero_grad()
         nn.functional.cross_entropy(device_tail(features), y).backward()  # the device's step
         optimizer.step()
-        tails.learn("device", features, found.labels)
+        tails.learn("device", features, found.labels, found.probs if closed_form else None)
     for mine, theirs in zip(tails.tail("device", 1, stages[tail_cut:]).parameters(),
                             device_tail.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs)
