@@ -230,6 +230,10 @@ class DataPlaneConfig:
     max_abs_value: float = 1.0e6
     max_streams: int = 64  # streams served at once; more are refused, never queued
     streams_per_token: int = 1  # one session, one stream: a stolen token cannot add more
+    # A session (a device's token for a round) whose frames were refused this many times
+    # loses its token and its streams (0: never). Honest devices measured none of the
+    # counted kinds; a device flooding bad frames slowed an honest one 3-4x before.
+    max_refusals: int = 32
     idle_timeout_s: float = 300.0  # a stream silent this long is closed
     reply_timeout_s: float = 600.0  # a client gives up on a reply after this long
     token_ttl_s: float = 3600.0  # a round's tokens also die when the round ends
@@ -265,6 +269,9 @@ class DataPlaneConfig:
     def __post_init__(self) -> None:
         if self.trunk_workers < 1:
             raise ValueError(f"dataplane.trunk_workers={self.trunk_workers}: need at least 1")
+        if self.max_refusals < 0:
+            raise ValueError(f"dataplane.max_refusals={self.max_refusals}: need >= 0 "
+                             "(0: never closed)")
         if self.websocket_port is not None and not 0 <= self.websocket_port <= 65535:
             raise ValueError(f"dataplane.websocket_port={self.websocket_port}: a port is "
                              "0-65535 (0: any free one)")

@@ -35,6 +35,14 @@ from splitlearn.dataplane.tokens import SessionGrant, TokenRegistry
 log = logging.getLogger(__name__)
 
 
+#: Refusals that do not count against a session's ``dataplane.max_refusals``: back-pressure
+#: and error-feedback restarts happen to honest devices, and a quarantined device's frames
+#: were counted when it struck.
+NOT_COUNTED = frozenset({Reason.BUSY, Reason.STALE_FEEDBACK, Reason.QUARANTINED})
+#: Refused frames of one session logged one by one; past them, one line when it is closed.
+LOGGED_REFUSALS = 8
+
+
 class SessionRefused(Exception):
     """A stream may not start; ``code`` is the gRPC status name to end it with."""
 
@@ -53,6 +61,7 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)
     streams: dict[int, Callable[[], None]] = field(default_factory=dict)  # id -> cancel
     nonces: set[bytes] = field(default_factory=set)  # of the proofs its streams opened with
+    refused: int = 0  # frames refused for what they were (see NOT_COUNTED)
 
 
 class SessionHandler(Protocol):
@@ -198,11 +207,29 @@ class TrunkEndpoint:
         return reply.SerializeToString()
 
     def _refuse(self, seq: int, err: FrameError, session: Session, peer: str) -> pb.Reply:
+        """Refuse a frame; a session past ``dataplane.max_refusals`` loses its token.
+
+        A device sending frame after bad frame (each refused in milliseconds) still holds
+        the interpreter for each and wrote a log line each: at 340 refused frames a second
+        an honest device beside it fell from 75 to 22 steps a second. Its token is revoked
+        once it has sent ``max_refusals`` refused frames (its streams close; it gets no
+        other token this round), and only its first :data:`LOGGED_REFUSALS` are logged.
+        """
         self.refusals[peer] += 1
-        log.warning(
-            "data plane: refused a frame from %s (token of client %s): %s: %s",
-            peer, session.grant.client, err.reason_name, err,
-        )
+        with self._lock:
+            if err.reason not in NOT_COUNTED:
+                session.refused += 1
+            refused = session.refused
+        if refused <= LOGGED_REFUSALS:
+            log.warning(
+                "data plane: refused a frame from %s (token of client %s): %s: %s",
+                peer, session.grant.client, err.reason_name, err,
+            )
+        limit = self.dataplane.max_refusals
+        if limit and refused == limit and err.reason not in NOT_COUNTED:
+            log.warning("data plane: closing the session of client %s (%s): %d frames refused "
+                        "(dataplane.max_refusals)", session.grant.client, peer, refused)
+            self.tokens.revoke([session.token])
         return refusal(seq, err.reason, str(err))
 
     def close_idle(self) -> int:

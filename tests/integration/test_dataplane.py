@@ -24,10 +24,12 @@ STEPS = 20
 
 def open_channel(server, cut: int, transport: str, client: str = "c0"):
     token = server.token(cut, client=client)
-    return server.channel(token) if transport == "grpc" else server.local_channel(token)
+    if transport == "in_process":
+        return server.local_channel(token)
+    return server.channel(token, transport=transport)  # grpc, websocket (browsers' framing)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "in_process"])
+@pytest.mark.parametrize("transport", ["grpc", "websocket", "in_process"])
 @pytest.mark.parametrize("name", ["cnn", "resnet"])
 def test_split_training_equals_whole_model_at_every_cut(trunk_server_factory, name, transport):
     reference = digits_like_model(name)
@@ -400,3 +402,60 @@ def test_tls_trunk_serves_only_clients_that_verify_it(trunk_server_factory, tmp_
     report = train_split_client(copy.deepcopy(reference), 1, fixed_batches(3), channel, lr=LR)
     channel.close()
     assert report.steps == 3 and server.trunk.steps == 3
+
+
+def test_a_device_flooding_bad_frames_loses_its_session_and_the_others_train_on(
+        trunk_server_factory, caplog):
+    """Each bad frame is refused in milliseconds, but one after another they held the
+    interpreter (an honest device fell from 75 to 22 steps a second) and logged a line
+    each: past dataplane.max_refusals the flooding device's token is revoked."""
+    reference = digits_like_model("cnn")
+    server = trunk_server_factory(reference, lr=LR)
+    limit = server.endpoint.dataplane.max_refusals
+    assert limit > 0
+    honest = open_channel(server, 1, "grpc", client="honest")
+    x, y = fixed_batches(1, batch=4)[0]
+    acts = split(copy.deepcopy(reference), 1)[0](x).detach()
+    token = server.token(1, client="flood")
+    flood = server.channel(token)
+    reasons = []
+    with caplog.at_level(logging.WARNING, logger="splitlearn.dataplane.endpoint"):
+        with pytest.raises(TrunkRejected):  # the limit-th frame's reply never comes: closed
+            for _ in range(limit + 5):
+                reasons.append(pb.Refusal.Reason.Name(
+                    send_raw(flood, b"\xff\x00garbage").refusal.reason))
+        honest.forward(acts, y)  # the others carry on
+    assert reasons == ["MALFORMED"] * (limit - 1)
+    assert server.tokens.lookup(token) is None  # no new stream on it either
+    logged = [r for r in caplog.records if "client flood" in r.getMessage()]
+    assert len(logged) == 9 and "max_refusals" in logged[-1].getMessage()  # 8, then the close
+    honest.close()
+    assert server.trunk.steps == 1
+
+
+def test_back_pressure_and_quarantine_do_not_count_against_a_session():
+    from splitlearn.config import DataPlaneConfig
+    from splitlearn.dataplane import InProcessTransport, TokenRegistry, TrunkChannel, TrunkEndpoint
+    from splitlearn.dataplane.codec import FrameError, Reason
+
+    class Busy:
+        def handle(self, session, request):  # noqa: ANN001, ANN201
+            raise FrameError(Reason.BUSY, "the queue is full")
+
+        def attach(self, session) -> None:  # noqa: ANN001
+            """Nothing to set up."""
+
+        def detach(self, session) -> None:  # noqa: ANN001
+            """Nothing to drop."""
+
+    tokens = TokenRegistry()
+    endpoint = TrunkEndpoint({"busy": Busy()}, tokens, dataplane=DataPlaneConfig(max_refusals=2))
+    token = tokens.issue(client="d", protocol="busy", cut=1, server_round=1, ttl_s=60)
+    channel = TrunkChannel(InProcessTransport(endpoint, token))
+    for _ in range(5):  # back-pressure five times: the session stays
+        reply = send_raw(channel, forward_request(torch.zeros(4, 2), LABELS, channel.next_seq()))
+        assert pb.Refusal.Reason.Name(reply.refusal.reason) == "BUSY"
+    assert tokens.lookup(token) is not None
+    send_raw(channel, b"\xff\x00garbage")
+    send_raw(channel, b"\xff\x00garbage")  # the second counted refusal: closed
+    assert tokens.lookup(token) is None
