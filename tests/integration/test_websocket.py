@@ -1,10 +1,11 @@
 """The data plane over WebSocket: the same frames, endpoint, tokens and refusals as gRPC.
 
 Browsers reach the trunk over a WebSocket (``splitlearn/dataplane/websocket.py``). These
-tests talk to a real service on 127.0.0.1 with the Python transport and with raw sockets:
-training equals the whole model, every bad frame gets the refusal it gets over gRPC while
-a gRPC device trains beside it, and a connection that breaks the hello, the token, the
-node key, the stream limit or TLS is closed with a code and a reason.
+tests talk to a real service on 127.0.0.1 with the Python transport and with raw sockets
+(training over it equals the whole model: ``test_dataplane.py``): every bad frame gets the
+refusal it gets over gRPC while a gRPC device trains beside it, and a connection that
+breaks the hello, the token, the node key, the stream limit or TLS is closed with a code and
+a reason.
 """
 
 from __future__ import annotations
@@ -29,30 +30,8 @@ from splitlearn.dataplane.node_keys import new_private_key, prove, public_key_of
 from splitlearn.dataplane.websocket import CLOSE_CODES, parse_hello
 from splitlearn.stages import split
 from tests.conftest import digits_like_model, fixed_batches, small_config
-from tests.helpers import max_param_diff, send_raw, train_split_client, train_whole
+from tests.helpers import send_raw, train_split_client
 from tests.integration.test_dataplane import BAD_FRAMES, LR, forward_request
-
-STEPS = 10
-
-
-@pytest.mark.parametrize("name", ["cnn", "resnet"])
-def test_training_over_websocket_equals_the_whole_model_at_every_cut(trunk_server_factory,
-                                                                     name):
-    reference = digits_like_model(name)
-    batches = fixed_batches(STEPS)
-    whole = copy.deepcopy(reference)
-    train_whole(whole, batches, LR)
-    for cut in reference.valid_cuts:
-        server = trunk_server_factory(reference, lr=LR, channels_last=False)
-        client_model = copy.deepcopy(reference)
-        channel = server.channel(server.token(cut), transport="websocket")
-        report = train_split_client(client_model, cut, batches, channel, lr=LR)
-        channel.close()
-        assert report.steps == STEPS
-        joined = copy.deepcopy(server.model)
-        for i in range(cut):
-            joined.stages[i] = client_model.stages[i]
-        assert max_param_diff(joined, whole) <= 1e-5, f"{name} cut {cut}"
 
 
 def test_bad_frames_over_websocket_get_grpcs_refusals_while_a_grpc_device_trains(
