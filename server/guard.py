@@ -257,7 +257,9 @@ class TrunkGuard:
         ``grad`` what came back. Called before the trunk backpropagates ``grad``. The
         labels found also give the batch's loss, which is checked as :meth:`check_loss`
         checks the trunk's own, against a bound of at least ``tail_loss_floor`` times the
-        chance level (a device's own tail gives honest losses a wider spread). Returns what
+        chance level (a device's own tail gives honest losses a wider spread), when they
+        explain the gradient within ``residual_floor``: under gradient noise or lossy
+        compression they are guesses, and their loss is not the device's. Returns what
         :func:`label_consistency` found (None: not checked).
 
         Raises
@@ -283,8 +285,9 @@ class TrunkGuard:
                     f"from the nearest any labelling of the batch gives through this round's "
                     f"tail; the bound is {bound:.3g} (recent median {window.median or 0:.3g})"))
             window.add([found.residual])
-        self._check_loss_of((client, server_round), float(found.losses.mean()), cut,
-                            classes=found.classes, floor=self.config.tail_loss_floor)
+        if found.residual <= self.config.residual_floor:  # labels that explain the gradient
+            self._check_loss_of((client, server_round), float(found.losses.mean()), cut,
+                                classes=found.classes, floor=self.config.tail_loss_floor)
         return found
 
     def _residual_window(self, cut: int) -> _Window:

@@ -182,7 +182,8 @@ class GuardConfig:
     # replays: server/consistency.py) is beyond max(residual_floor, residual_factor x the
     # recent median), relative to its norm (residual_floor 0: not checked). On the default
     # job honest batches measured at most 3e-4, negated ones (gradient ascent) 0.82 to 1.2.
-    # The labels found give the batch's loss, checked as above but never below
+    # The labels found (when within residual_floor: under gradient noise they are guesses)
+    # give the batch's loss, checked as above but never below
     # tail_loss_floor x ln C: that loss goes through the device's own tail, averaged over
     # skewed devices, and an honest batch under +scenario=heterogeneous measured 2.74 (above
     # ln C = 2.30) beside a recent median of 0.10; flipped labels measured 13-14.

@@ -10,6 +10,7 @@ server's replica of a device's tail with the tail the device trains.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -258,3 +259,31 @@ def test_a_linear_tails_closed_form_equals_autograds(batch):
         assert torch.equal(fast.labels, slow.labels)
         torch.testing.assert_close(fast.losses, slow.losses)
         assert fast.residual == pytest.approx(slow.residual, rel=1e-4, abs=1e-6)
+
+
+def test_labels_that_do_not_explain_a_noised_gradient_are_not_held_against_its_loss(batch):
+    """Under gradient noise (privacy) the nearest labels are guesses: their loss is not the
+    device's. The residual bound follows the seeded (noised) spread; the loss is not checked."""
+    from server.guard import TrunkGuard
+    from splitlearn.config import GuardConfig
+
+    tail, features, _ = batch
+    tail = copy.deepcopy(tail)
+    with torch.no_grad():  # a confident tail, and labels it fits: an honest loss near 0
+        for param in tail.parameters():
+            param.mul_(300)
+        labels = tail(features).argmax(dim=1)
+    guard = TrunkGuard(GuardConfig(min_steps=4))
+    tail_cut = 4
+    guard.seed("residual", tail_cut, torch.full((8,), 1.0))  # the noised reference's spread
+    guard.seed("loss", tail_cut, torch.full((8,), 0.01))  # a model that fits: bound 2 ln C
+    # A gradient of wrong labels, noised past the floor: its nearest labels (and their loss)
+    # are no evidence, as an honest device's under gradient noise are not.
+    _, flipped = features_and_gradient(tail, features, (labels + 5) % 10)
+    noise = torch.randn(flipped.shape, generator=torch.Generator().manual_seed(0))
+    noised = flipped + 0.5 * flipped.norm() / noise.norm() * noise
+    found = label_consistency(tail, features, noised)
+    assert 0.25 < found.residual < 4.0 and float(found.losses.mean()) > 2 * math.log(10)
+    guard.check_returned("noised", 1, tail_cut, tail=tail, features=features, grad=noised)
+    with pytest.raises(Exception, match="loss .* beyond the bound"):  # explained: checked
+        guard.check_returned("liar", 1, tail_cut, tail=tail, features=features, grad=flipped)
