@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -187,10 +187,12 @@ class DeviceTails:
         self._tails: dict[str, tuple[int, nn.Module, LightSGD]] = {}
         self._round = 0  # the latest round seen
 
-    def tail(self, client: str, server_round: int, stages: Sequence[nn.Module]) -> nn.Module:
-        """Return ``client``'s replica for ``server_round``, copied from ``stages`` if new.
+    def tail(self, client: str, server_round: int,
+             stages: Callable[[], Sequence[nn.Module]]) -> nn.Module:
+        """Return ``client``'s replica for ``server_round``, copied from ``stages()`` if new.
 
-        ``stages`` are the round's device tail (the trunk's copy of the merged tails).
+        ``stages`` gives the round's device tail (the trunk's copy of the merged tails);
+        it is called only when the replica is made, once per client and round.
         The replica is in eval mode; one client's frames come one at a time, so only its
         own session uses it.
         """
@@ -200,7 +202,7 @@ class DeviceTails:
                 self._tails = {c: k for c, k in self._tails.items() if k[0] >= server_round}
             kept = self._tails.get(client)
             if kept is None or kept[0] != server_round:
-                replica = copy.deepcopy(nn.Sequential(*stages)).eval()
+                replica = copy.deepcopy(nn.Sequential(*stages())).eval()
                 replica.requires_grad_(True)
                 kept = self._tails[client] = (server_round, replica,
                                               LightSGD(replica.parameters(), **self.hyper))
@@ -211,9 +213,9 @@ class DeviceTails:
         """Replay ``client``'s tail step on its batch (the labels the check found).
 
         For a tail that is one ``nn.Linear``, with ``probs`` (its softmax of the batch,
-        from the check), the gradient is ``(probs - onehot)^T features / B`` (and its mean
-        for the bias), without autograd; any other tail's comes from autograd, in train
-        mode as the device trains it.
+        from the check, which this overwrites), the gradient is ``(probs - onehot)^T
+        features / B`` (and its mean for the bias), without autograd; any other tail's
+        comes from autograd, in train mode as the device trains it.
         """
         with self._lock:
             kept = self._tails.get(client)
@@ -223,7 +225,7 @@ class DeviceTails:
         linear = _lone_linear(replica)
         if linear is not None and probs is not None and features.dim() == 2:
             with torch.no_grad():
-                error = probs.clone()
+                error = probs  # consumed: the check's softmax is not read again
                 error[torch.arange(len(labels)), labels] -= 1.0
                 error /= len(labels)
                 linear.weight.grad = (error.T @ features.float()).to(linear.weight.dtype)

@@ -221,8 +221,6 @@ class TrunkGuard:
         FrameError
             ``OUT_OF_RANGE`` beyond ``max(ln classes, loss_factor x median)``.
         """
-        if not self.config.loss_factor or not math.isfinite(loss):
-            return  # a non-finite loss leaves non-finite gradients: STEP_NOT_FINITE
         sender = self.sender_of(rows)
         if sender is not None:
             self._check_loss_of(sender, loss, cut, classes=classes)
@@ -234,7 +232,7 @@ class TrunkGuard:
         The bound is at least ``floor`` times the chance level ``ln classes``.
         """
         if not self.config.loss_factor or not math.isfinite(loss):
-            return
+            return  # a non-finite loss leaves non-finite gradients: STEP_NOT_FINITE
         with self._lock:
             window = self._loss_window(cut)
             if window.median is not None:

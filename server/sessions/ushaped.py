@@ -224,7 +224,8 @@ class UShapedSession:
         client, server_round = session.grant.client, session.grant.server_round
         found = None
         if self.trunk.guard is not None:  # ... and must be one some labelling explains
-            tail = self.tails.tail(client, server_round, self.trunk.model.stages[self.tail_cut:])
+            tail = self.tails.tail(client, server_round,
+                                   lambda: self.trunk.model.stages[self.tail_cut:])
             found = self.trunk.guard.check_returned(
                 client, server_round, self.tail_cut, tail=tail, features=pending.features,
                 grad=grad)
