@@ -17,6 +17,7 @@ fail.
 
 from __future__ import annotations
 
+import base64
 import math
 import secrets
 import time
@@ -49,9 +50,19 @@ from clients.device import (
     virtual_time,
 )
 from clients.loop import TrainReport, epoch_loader, evaluate_round, train_round
+from clients.relay import (
+    RELAY_KEY,
+    RUNTIME_KEY,
+    SECRET_KEY,
+    SLOT_KEY,
+    WEB_RUNTIME,
+    PhoneFailed,
+    delegate,
+)
 from clients.secagg import clip_update, secaggplus_mod, secure_train_handler
 from clients.steps.base import ClientStep
 from clients.steps.executorch import client_step_type
+from clients.steps.web import finish_on_phone, phone_failure, phone_task, web_step_type
 from protocols import PROTOCOLS, Protocol
 from splitlearn.config import RunSpec, decode_spec
 from splitlearn.data import client_dataset, describe_dataset, local_dataset
@@ -176,6 +187,7 @@ class ClientRound:
     max_steps: int | None = None  # partial work: the planner's cap on this round's batches
     deadline_s: float | None = None  # partial work: the round's deadline on the device's clock
     min_work: float = 1.0  # ... and the least share of its round it trains
+    runtime: str = "eager"  # node config device-runtime: "web" for a phone (clients.gateway)
 
     @classmethod
     def read(cls, msg: Message, context: Context) -> ClientRound:
@@ -187,7 +199,10 @@ class ClientRound:
         spec = decode_spec(str(msg.content["config"][SPEC_KEY]), strategy=protocol.options)
         data = msg.content[ROUND_KEY]
         node = context.node_config
-        address = trunk_address(data, str(node.get(TRANSPORT_KEY, "") or "grpc"))
+        runtime = str(node.get(RUNTIME_KEY, "") or "eager")
+        # A phone's browser reaches the trunk only over its WebSocket service.
+        transport = "websocket" if runtime == WEB_RUNTIME else node.get(TRANSPORT_KEY, "")
+        address = trunk_address(data, str(transport or "grpc"))
         try:
             declared = declared_profile(str(node.get(PROFILE_KEY, "")))
         except ValueError as err:
@@ -204,7 +219,7 @@ class ClientRound:
             node_key=_held_node_key(context),
             max_steps=int(data.get("max_steps", 0)) or None,
             deadline_s=_positive_or_none(data.get("deadline_s", 0.0)),
-            min_work=share_of_round(data.get("min_work", 1.0)),
+            min_work=share_of_round(data.get("min_work", 1.0)), runtime=runtime,
         )
 
     def proof(self) -> bytes | None:
@@ -215,10 +230,13 @@ class ClientRound:
         """Build the protocol's step on a fresh model holding the server's weights.
 
         Under ``devices.runtime=executorch`` the step trains through ExecuTorch's runtime,
-        or the device refuses the round (DeviceFailure naming the option).
+        or the device refuses the round (DeviceFailure naming the option); a phone's step
+        is the protocol's own, whose stages its page trains (:mod:`clients.steps.web`).
         """
         model = build_model_from_config(self.spec.model, self.spec.dataset)
-        client = client_step_type(self.protocol, self.spec, recompute=self.recompute)
+        client = (web_step_type(self.protocol, self.spec, recompute=self.recompute)
+                  if self.runtime == WEB_RUNTIME
+                  else client_step_type(self.protocol, self.spec, recompute=self.recompute))
         step = client(model, self.spec, cut=self.cut, recompute=self.recompute)
         step.load(record_to_state(arrays))
         return step
@@ -533,19 +551,23 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
         started = time.perf_counter()  # the part of the round the virtual clock models
         if pacer is not None:  # the device first waits for its weights
             pacer.transfer(bytes_down=record_bytes(msg.content["arrays"]))
-        channel = (open_channel(rnd.trunk_address, rnd.token, spec, proof=rnd.proof())
-                   if step.needs_channel else None)
-        carried = _restore_feedback(context, channel, spec, cut=rnd.cut)
-        deadline = _deadline(rnd, plan, weights_bytes=record_bytes(msg.content["arrays"]),
-                             batches=len(loader) * spec.strategy.local_epochs)
-        try:
-            report = train_round(step, channel, privacy, epochs=spec.strategy.local_epochs,
-                                 on_step=_dropout_hook(plan, channel), pacer=pacer,
-                                 max_steps=rnd.max_steps, deadline=deadline)
-        finally:
-            if channel is not None:
-                _keep_feedback(context, channel, cut=rnd.cut)
-                channel.close()
+        if rnd.runtime == WEB_RUNTIME:  # the phone's page trains; the rest is as here
+            channel, carried = None, 0
+            report = _train_on_phone(rnd, step, loader, context)
+        else:
+            channel = (open_channel(rnd.trunk_address, rnd.token, spec, proof=rnd.proof())
+                       if step.needs_channel else None)
+            carried = _restore_feedback(context, channel, spec, cut=rnd.cut)
+            deadline = _deadline(rnd, plan, weights_bytes=record_bytes(msg.content["arrays"]),
+                                 batches=len(loader) * spec.strategy.local_epochs)
+            try:
+                report = train_round(step, channel, privacy, epochs=spec.strategy.local_epochs,
+                                     on_step=_dropout_hook(plan, channel), pacer=pacer,
+                                     max_steps=rnd.max_steps, deadline=deadline)
+            finally:
+                if channel is not None:
+                    _keep_feedback(context, channel, cut=rnd.cut)
+                    channel.close()
     finally:
         privacy.close()
     # DP-FedAvg: the update leaves clipped to the bound the task names.
@@ -585,6 +607,33 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     for key, arrays in step.reply_arrays().items():
         content[key] = state_to_record(arrays)
     return Message(content=with_declared_profile(content, context), reply_to=msg)
+
+
+def _train_on_phone(rnd: ClientRound, step: ClientStep, loader: DataLoader,
+                    context: Context) -> TrainReport:
+    """Hand the round to this node's phone through the gateway; its report (see clients.relay)."""
+    node, spec = context.node_config, rnd.spec
+    epochs = spec.strategy.local_epochs
+    least = max(1, math.ceil(rnd.min_work * len(loader) * epochs - 1e-9))
+    proof = rnd.proof()
+    task = phone_task(
+        step, rnd.protocol, loader, server_round=rnd.server_round, epochs=epochs,
+        trunk={"url": rnd.trunk_address, "token": rnd.token,
+               "proof": None if proof is None else base64.b64encode(proof).decode("ascii")},
+        max_steps=rnd.max_steps, deadline_s=rnd.deadline_s, least_steps=least)
+    try:
+        result = delegate(str(node.get(RELAY_KEY, "")), slot=int(node.get(SLOT_KEY, -1)),
+                          secret=str(node.get(SECRET_KEY, "")), task=task,
+                          timeout_s=spec.strategy.round_timeout_s)
+    except PhoneFailed as failed:
+        raise phone_failure(failed) from failed
+    done = finish_on_phone(step, task, result)
+    examples, steps = int(done["examples"]), int(done["steps"])
+    return TrainReport(
+        examples=examples, steps=steps, loss=done["loss_sum"] / max(examples, 1),
+        accuracy=done["correct"] / max(examples, 1), compute_s=done["compute_s"],
+        wall_s=done["wall_s"], bytes_up=int(done["bytes_up"]), bytes_down=int(done["bytes_down"]),
+        exchanges=steps * step.exchanges_per_batch, wait_s=done["wait_s"])
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Join a federation from a device: ``python -m clients.connect --superlink H:P --profile NAME``.
 
-What a person runs on a phone-class device (an aarch64 Linux board, Android with a
-Python environment) to train with its own data. It checks what it is given, then
+What a person runs on a device with CPython and PyTorch (a Linux board such as a
+Raspberry Pi or a Jetson, a laptop) to train with its own data; a phone joins from its
+browser instead (:mod:`clients.gateway`). It checks what it is given, then
 becomes a Flower SuperNode (``flower-supernode``, same process id) whose node config
 carries what the ClientApp reads on this device:
 
@@ -186,16 +187,18 @@ def format_node_config(config: dict[str, object]) -> str:
     return " ".join(parts)
 
 
-def supernode_command(args: argparse.Namespace, *, port: int | None = None) -> list[str]:
+def supernode_command(args: argparse.Namespace, *, port: int | None = None,
+                      extra: dict[str, object] | None = None) -> list[str]:
     """Return the ``flower-supernode`` command line for ``args``.
 
     ``port`` is the runtime API's (see :func:`runtime_port`); None: ``--port``, if given.
+    ``extra`` adds node-config keys (the gateway's, for a phone's node).
     """
     executable = Path(sys.executable).with_name("flower-supernode")
     command = [str(executable) if executable.exists() else
                shutil.which("flower-supernode") or "flower-supernode",
                "--superlink", args.superlink,
-               "--node-config", format_node_config(node_config(args))]
+               "--node-config", format_node_config(node_config(args) | (extra or {}))]
     if args.insecure:
         command.append("--insecure")
     elif args.root_certificates is not None:

@@ -169,18 +169,27 @@ def check_trunk_workers(config: Config) -> None:
 
 
 def check_client_runtime(config: Config, protocol: Protocol, model: SplittableModel) -> None:
-    """Refuse ``devices.runtime=executorch`` where the exported program cannot train (ValueError).
+    """Refuse device runtimes that cannot train this run's device step (ValueError).
 
-    The program is the split step's device side (protocols whose capabilities list the
-    runtime), without privacy, activation recomputation or buffers (:mod:`splitlearn.runtimes`),
-    checked at every cut in play.
+    ``devices.runtime=executorch``'s program is the split step's device side (protocols
+    whose capabilities list the runtime), without privacy, activation recomputation or
+    buffers (:mod:`splitlearn.runtimes`). With ``devices.web`` phones may join: the web
+    runtime runs the protocols listing ``web``, on the layers it declares
+    (:mod:`splitlearn.web`). Both are checked at every cut in play.
     """
-    if config.devices.runtime == "eager":
-        return
+    recompute = config.planner.adaptive and config.planner.recompute
+    if config.devices.runtime != "eager":
+        check_executorch(config, protocol, model, recompute=recompute)
+    if config.devices.web:
+        check_web(config, protocol, model, recompute=recompute)
+
+
+def check_executorch(config: Config, protocol: Protocol, model: SplittableModel, *,
+                     recompute: bool) -> None:
+    """Refuse ``devices.runtime=executorch`` where the exported program cannot train."""
     from splitlearn.runtimes import bottom_refusal, executorch_refusal
     from splitlearn.stages import split
 
-    recompute = config.planner.adaptive and config.planner.recompute
     refusal = (runtime_refusal(protocol, config.devices.runtime)
                or executorch_refusal(config.privacy, recompute=recompute))
     if refusal is not None:
@@ -189,6 +198,31 @@ def check_client_runtime(config: Config, protocol: Protocol, model: SplittableMo
         refusal = bottom_refusal(split(model, cut)[0])
         if refusal is not None:
             raise ValueError(f"model={config.model.name} at cut {cut}: {refusal}")
+
+
+def check_web(config: Config, protocol: Protocol, model: SplittableModel, *,
+              recompute: bool) -> None:
+    """Refuse ``devices.web=true`` where a phone's web runtime cannot train the device step."""
+    from splitlearn.runtimes import WEB_KEY, web_refusal
+    from splitlearn.web import device_parts, stages_refusal
+
+    if "web" not in protocol.capabilities.runtimes:
+        accepted = accepting(lambda c: "web" in c.runtimes)
+        raise ValueError(f"{WEB_KEY}: the web runtime runs the device step of {accepted}; "
+                         f"strategy={protocol.name} has another")
+    if protocol.capabilities.trunk != "none" and config.dataplane.websocket_port is None:
+        raise ValueError(f"{WEB_KEY}: phones reach the trunk over its WebSocket service; set "
+                         "dataplane.websocket_port (0: any free port)")
+    refusal = web_refusal(config.privacy, config.dataplane.compression, recompute=recompute)
+    if refusal is not None:
+        raise ValueError(refusal)
+    tail = protocol.first_tail_stage(config.strategy, len(model.stages))
+    for cut in cuts_in_play(config, model):
+        for stages, input_shape in device_parts(model, cut, tail):
+            refusal = stages_refusal(stages, input_shape)
+            if refusal is not None:
+                raise ValueError(f"{WEB_KEY}, model={config.model.name} at cut {cut}: "
+                                 f"{refusal}")
 
 
 def check_device_privacy(config: Config) -> None:

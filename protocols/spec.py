@@ -24,8 +24,9 @@ from splitlearn.config import StrategyConfig
 #: Where a protocol's trunk lives: none (the whole model on the device), one trunk shared
 #: by every device, or a copy per device merged at the end of the round.
 TrunkKind = Literal["none", "shared", "per_device"]
-#: Device runtimes a protocol may declare (``devices.runtime``).
-RUNTIMES = ("eager", "executorch")
+#: Device runtimes a protocol may declare: ``devices.runtime``'s values, and ``web`` (a
+#: phone's browser, ``devices.web``).
+RUNTIMES = ("eager", "executorch", "web")
 
 
 @dataclass(frozen=True)

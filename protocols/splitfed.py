@@ -31,7 +31,7 @@ class SplitFedV1Options(StrategyConfig):
 
 #: The split step's device side: what SplitFed, SGLR and sequential SL devices share.
 SPLIT_STEP = dict(
-    per_device_cuts=True, runtimes=("eager", "executorch"), nopeek=True, error_feedback=True,
+    per_device_cuts=True, runtimes=("eager", "executorch", "web"), nopeek=True, error_feedback=True,
     bytes_per_sample=split_bytes,
 )
 

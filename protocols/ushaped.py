@@ -33,6 +33,7 @@ def device_tail(options: Any, num_stages: int) -> int:
 USHAPED = Protocol(
     "ushaped", UShapedOptions,
     Capabilities(trunk="shared", per_device_cuts=True, error_feedback=True,
+                 runtimes=("eager", "web"),
                  bytes_per_sample=split_with_tail_bytes, device_tail=device_tail),
     client_path="clients.steps.ushaped:UShapedStep",
     strategy_path="strategies.splitfed:SplitFed",

@@ -598,6 +598,10 @@ class DevicesConfig:
     # What runs the device's stages: eager PyTorch, or the exported ExecuTorch program
     # through ExecuTorch's runtime (clients/steps/executorch.py; split protocols only).
     runtime: str = "eager"
+    # Phones may join through the gateway (python -m clients.gateway) and train in the web
+    # runtime (web/: TensorFlow.js in the browser): every cut in play is checked against
+    # what that runtime runs, and the run is refused before it starts, naming the layer.
+    web: bool = False
 
     def __post_init__(self) -> None:
         if self.runtime not in CLIENT_RUNTIMES:

@@ -3,7 +3,10 @@
 A device runs its step eagerly in PyTorch (``devices.runtime=eager``, everything), or
 through an exported ExecuTorch program (``executorch``): the split step's device side
 without privacy that clips, noises or regularises, without activation recomputation,
-and without buffers the program would not update. Which protocols' device steps a
+and without buffers the program would not update. A phone runs it in its browser
+(``web``, :mod:`splitlearn.web`): the split and U-shaped steps on dense float32 frames,
+without device-side privacy mechanisms or activation recomputation, on the layers the
+web runtime declares. Which protocols' device steps a
 runtime can run at all is each protocol's capability (``Capabilities.runtimes``);
 these are the refusals that depend on the run's other settings and on the model.
 """
@@ -12,10 +15,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from splitlearn.config import PrivacyConfig
+from splitlearn.config import CompressionConfig, PrivacyConfig
 
 #: The setting every ExecuTorch refusal names.
 EXECUTORCH_KEY = "devices.runtime=executorch"
+#: ... and every web refusal.
+WEB_KEY = "devices.web=true"
 RECOMPUTE_REFUSAL = (f"{EXECUTORCH_KEY} with activation recomputation: the program's memory "
                      "is ExecuTorch's plan (use planner.recompute=false or "
                      "devices.runtime=eager)")
@@ -47,4 +52,34 @@ def bottom_refusal(bottom: nn.Module) -> str | None:
         return (f"{EXECUTORCH_KEY}: the device's stages hold buffers {buffers[:3]} (e.g. "
                 "BatchNorm's running statistics), which the exported program does not "
                 "update (use devices.runtime=eager or another cut)")
+    return None
+
+
+def web_refusal(privacy: PrivacyConfig, compression: CompressionConfig, *,
+                recompute: bool) -> str | None:
+    """Return why a phone's web runtime cannot train this run's device step (None: it can).
+
+    Parameters
+    ----------
+    privacy : PrivacyConfig
+        The device's privacy settings: the runtime neither clips nor noises yet.
+    compression : CompressionConfig
+        The data plane's encodings: the runtime reads and writes dense float32 frames.
+    recompute : bool
+        Whether the device may be asked to recompute its activations (the runtime's
+        memory is TensorFlow.js's own).
+    """
+    if privacy.name != "none" or privacy.nopeek_weight or privacy.gradient_noise_multiplier:
+        return (f"{WEB_KEY} with device-side privacy (privacy={privacy.name}, nopeek_weight="
+                f"{privacy.nopeek_weight}, gradient_noise_multiplier="
+                f"{privacy.gradient_noise_multiplier}): the web runtime neither clips, noises "
+                "nor regularises what it sends (use privacy=none; label_epsilon is applied "
+                "before the data reaches the phone)")
+    if compression.uplink != "none" or compression.downlink != "none":
+        return (f"{WEB_KEY} with dataplane.compression (uplink={compression.uplink!r}, "
+                f"downlink={compression.downlink!r}): the web runtime sends and reads dense "
+                "float32 frames (use compression=none)")
+    if recompute:
+        return (f"{WEB_KEY} with activation recomputation: the page's memory is TensorFlow.js's "
+                "(use planner.recompute=false)")
     return None

@@ -21,13 +21,15 @@ ExecuTorch cannot train.
   runtime converts to TensorFlow.js's NHWC / HWIO itself);
 - ``counters``: BatchNorm's ``num_batches_tracked``.
 
-It does not yet run on a device: joining a run from a browser is the next step, so
-``devices.runtime`` has no ``web`` value and no protocol declares it.
+:func:`device_parts` names the stages a phone trains at a cut: the head ``[0, cut)`` and,
+for a protocol that keeps a tail on the device, the tail ``[tail, n)``, each keyed by the
+model's stage indices so that the phone's trained state loads back as it came.
 """
 
 from __future__ import annotations
 
 import base64
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -69,7 +71,7 @@ def state_from_web(state: Mapping[str, Any]) -> dict[str, Tensor]:
     return out
 
 
-def web_refusal(stages: nn.Module | Sequence[nn.Module],
+def stages_refusal(stages: nn.Module | Sequence[nn.Module],
                 input_shape: Sequence[int]) -> str | None:
     """Return why the web runtime cannot train ``stages`` (None: it can).
 
@@ -85,6 +87,33 @@ def web_refusal(stages: nn.Module | Sequence[nn.Module],
     except WebRefusal as refusal:
         return str(refusal)
     return None
+
+
+def device_parts(model: Any, cut: int, tail: int | None
+                 ) -> list[tuple[nn.Module, tuple[int, ...]]]:
+    """Return the stages a phone trains at ``cut``, each with one sample's input shape.
+
+    Parameters
+    ----------
+    model : SplittableModel
+        The network (its ``stages``, ``input_shape`` and ``cut_shape``).
+    cut : int
+        The device's head is ``[0, cut)``.
+    tail : int or None
+        The first stage of a tail the device keeps (U-shaped), or None.
+
+    Returns
+    -------
+    list of (nn.Module, tuple of int)
+        ``nn.Sequential`` containers whose state-dict keys are ``"<stage index>.…"``.
+    """
+    def part(first: int, last: int) -> nn.Module:
+        return nn.Sequential(OrderedDict((str(i), model.stages[i]) for i in range(first, last)))
+
+    parts = [(part(0, cut), tuple(model.input_shape))]
+    if tail is not None:
+        parts.append((part(tail, len(model.stages)), tuple(model.cut_shape(tail))))
+    return parts
 
 
 def describe_stages(stages: nn.Module | Sequence[nn.Module],

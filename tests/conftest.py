@@ -203,15 +203,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 #: in three xdist lanes, each test one at a time within its lane: the files named here in
 #: the lane they name, every other file in the ``shared`` lane. The lanes are balanced by
 #: CPU, which bounds the phase (each test alone in a cgroup, 2026-12-05): deployment = the
-#: TLS deployment 327 CPU-s + the Ray cluster 82; docs = the how-to 160 + the
-#: connect-a-device tutorial 110 + flwr run ~130; shared = the tutorials 319 + the web runtime
-#: in Chromium (test_web_step.py, 67 s alone, more than one core). In a clean-clone
-#: CI the phase took 10.1 min.
+#: TLS deployment 327 CPU-s + the Ray cluster 82 + flwr run ~130; docs = the how-to 160 + the
+#: connect-a-device tutorial 110 + the connect-a-phone tutorial (97 s alone, 2026-12-06);
+#: shared = the tutorials 319 + the web runtime in Chromium (test_web_step.py, 67 s alone,
+#: more than one core) + the phones through the gateway (test_gateway.py, 235 s alone).
 LANES = {
     "tests/integration/test_deployment.py": "deployment",
     "tests/integration/test_ray_cluster.py": "deployment",
     "tests/integration/test_deployment_docs.py": "docs",
-    "tests/integration/test_flwr_run.py": "docs",
+    "tests/integration/test_flwr_run.py": "deployment",
 }
 
 

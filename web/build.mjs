@@ -1,14 +1,15 @@
-// Bundles web/src/index.ts and TensorFlow.js into dist/device.js, one script for a
-// browser page: it sets globalThis.splitlearnDevice (web/src/index.ts).
+// Bundles TensorFlow.js with web/src/index.ts into dist/device.js (it sets
+// globalThis.splitlearnDevice, the runtime's API) and with web/src/page.ts into
+// dist/page.js (the page a phone opens: web/public/index.html, served by the gateway).
 import { build } from "esbuild";
 
 await build({
-  entryPoints: ["src/index.ts"],
+  entryPoints: { device: "src/index.ts", page: "src/page.ts" },
   bundle: true,
   format: "iife",
   platform: "browser",
   target: "es2020",
-  outfile: "dist/device.js",
+  outdir: "dist",
   minify: true,
   sourcemap: false,
   logLevel: "warning",

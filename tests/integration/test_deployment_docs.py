@@ -30,6 +30,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,6 +47,7 @@ from tests.processes import pids_in_environment, superlink_answers, wait_for
 ROOT = Path(__file__).resolve().parents[2]
 HOW_TO = ROOT / "docs" / "how-to" / "deployment.md"
 TUTORIAL = ROOT / "docs" / "tutorials" / "connect-a-device.md"
+PHONE_TUTORIAL = ROOT / "docs" / "tutorials" / "connect-a-phone.md"
 FLWR = Path(sys.executable).with_name("flwr")
 #: A marked block: the comment, then the fenced bash block right below it.
 MARKED = re.compile(r"<!-- deployment-test: (?P<role>run|background|check)(?: (?P<name>[\w-]+))?"
@@ -63,9 +65,10 @@ class Step:
     command: str
 
 
-def doc_steps(text: str) -> list[Step]:
+def doc_steps(text: str, marked: re.Pattern = MARKED) -> list[Step]:
     """The page's marked blocks, in order."""
-    return [Step(m["role"], m["name"] or "", m["command"]) for m in MARKED.finditer(text)]
+    return [Step(m["role"], m["name"] or "", m["command"] or "")
+            for m in marked.finditer(text)]
 
 
 def flag(command: str, name: str, default: str | None = None) -> str:
@@ -294,3 +297,100 @@ def test_the_connect_a_device_tutorial_runs_as_written(tmp_path):
     """A SuperLink without TLS, the CLI's connection added by hand, one device, two rounds:
     the device online, and its rows in the run folder ``ok`` with its preset."""
     check_results(*follow(TUTORIAL, tmp_path))
+
+
+#: The phone tutorial's marks: as the deployment pages', and ``phones N`` (no block: the
+#: reader opens the link on N phones and consents).
+PHONE_MARKED = re.compile(r"<!-- phone-test: (?P<role>run|background|check|phones)"
+                          r"(?: (?P<name>[\w-]+))? -->\n(?:```bash\n(?P<command>.*?)\n```)?",
+                          re.S)
+
+
+def join_url(log: Path) -> str | None:
+    found = re.search(r"phones join at (\S+)", log.read_text())
+    return found[1] if found else None
+
+
+@pytest.mark.serial
+def test_the_connect_a_phone_tutorial_runs_as_written(tmp_path):
+    """Steps 1 and 2 of connect-a-device (a SuperLink, the CLI's connection), then the phone
+    tutorial: the gateway on this host's network address, two Chromium pages at a phone's
+    size opening the link it printed and consenting, ``flwr run`` with ``devices.web=true``,
+    and the page's check: each phone's rows ``ok`` as a ``mid_range_phone``. The pages are
+    photographed as the tutorial shows them (``tmp_path/consent.png``, ``training.png``)."""
+    from playwright.sync_api import sync_playwright
+
+    steps = (doc_steps(TUTORIAL.read_text())[:3]
+             + doc_steps(PHONE_TUTORIAL.read_text(), PHONE_MARKED))
+    assert [(s.role, s.name) for s in steps] == [
+        ("background", "superlink"), ("run", ""), ("run", ""), ("background", "gateway"),
+        ("phones", "2"), ("run", ""), ("check", "run-folder")]
+    phones = int(steps[4].name)
+    assert f"--phones {phones}" in steps[3].command
+    rounds = int(re.search(r"strategy\.num_rounds=(\d+)", steps[5].command)[1])
+    port = int(flag(steps[0].command, "port"))
+    home = tmp_path / "home"
+    home.mkdir()
+    env = home_env(home)
+    processes = Processes(tmp_path)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=shutil.which("chromium"),
+                                     args=["--no-sandbox"])
+        try:
+            pages = []
+            for step in steps:
+                if step.role == "background":
+                    processes.start(step.name, ["bash", "-c", step.command], env)
+                    if step.name == "superlink":
+                        wait_for(lambda: superlink_answers(port), "the SuperLink answers")
+                    else:
+                        log = tmp_path / f"{step.name}.log"
+                        wait_for(lambda log=log: join_url(log), "the gateway's link")
+                        assert (home / "splitlearn-tutorial" / "join.png").is_file()
+                elif step.role == "phones":
+                    pages = [open_phone(browser, join_url(log), tmp_path, i)
+                             for i in range(phones)]
+                elif step.role == "run":
+                    run = subprocess.Popen(["bash", "-eo", "pipefail", "-c", step.command],
+                                           cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True)
+                    if "flwr run" in step.command:
+                        photograph_training(pages[0], tmp_path)
+                    output, _ = run.communicate(timeout=400)
+                    assert run.returncode == 0, output[-3000:]
+                    if "flwr run" in step.command:
+                        wait_until_finished("tutorial", env)
+                else:
+                    shown = succeeded(step.command, env)
+            for page in pages:
+                assert page.inner_text("#round") == str(rounds)
+        finally:
+            browser.close()
+            stop_everything(processes, home)
+    assert shown.count(",ok,mid_range_phone,") == phones * rounds, shown
+
+
+def open_phone(browser, url: str, tmp_path: Path, index: int):  # noqa: ANN001, ANN201
+    """A phone's page: the link opened, consent given, connected."""
+    page = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2,
+                               is_mobile=True, has_touch=True).new_page()
+    page.goto(url)
+    page.wait_for_function("document.getElementById('backend').textContent !== '-'")
+    if index == 0:
+        page.screenshot(path=str(tmp_path / "consent.png"))
+    page.click("#join")
+    wait_for(lambda: page.inner_text("#state").startswith("connected"), "a phone connected")
+    return page
+
+
+def batches_done(page) -> int:  # noqa: ANN001
+    """The batches the page shows done in its round (0 before the first)."""
+    found = re.match(r"(\d+) / ", page.inner_text("#batches"))
+    return int(found[1]) if found else 0
+
+
+def photograph_training(page, tmp_path: Path) -> None:  # noqa: ANN001
+    """Photograph the page a few batches into the second round."""
+    wait_for(lambda: page.inner_text("#round") == "2" and batches_done(page) >= 5,
+             "round 2 under way", timeout_s=300)
+    page.screenshot(path=str(tmp_path / "training.png"))

@@ -17,8 +17,8 @@ from splitlearn.web import (
     decode_tensor,
     describe_stages,
     encode_tensor,
+    stages_refusal,
     state_from_web,
-    web_refusal,
 )
 
 
@@ -28,7 +28,7 @@ def test_every_cut_of_the_small_models_is_described(name, channels, size):
     model = build_model(name, in_channels=channels, image_size=size, num_classes=10, seed=0)
     for cut in model.valid_cuts:
         bottom = split(model, cut)[0]
-        assert web_refusal(bottom, model.input_shape) is None
+        assert stages_refusal(bottom, model.input_shape) is None
         description = json.loads(json.dumps(describe_stages(bottom, model.input_shape)))
         assert description["format"] == FORMAT
         assert tuple(description["output_shape"]) == model.cut_shape(cut)
@@ -52,7 +52,7 @@ def test_the_resnet_stem_is_described_with_its_batchnorm_and_the_blocks_refused(
     norm = next(layer for layer in description["layers"] if layer["type"] == "BatchNorm2d")
     assert (norm["eps"], norm["momentum"], norm["affine"]) == (1e-5, 0.1, True)
     assert description["counters"] == {"0.1.num_batches_tracked": 0}
-    refusal = web_refusal(split(model, 2)[0], model.input_shape)
+    refusal = stages_refusal(split(model, 2)[0], model.input_shape)
     assert refusal is not None and "layer 3 (1.0: BasicBlock)" in refusal
 
 
@@ -66,7 +66,7 @@ def test_the_resnet_stem_is_described_with_its_batchnorm_and_the_blocks_refused(
 ])
 def test_a_layer_the_runtime_does_not_run_is_refused_by_position_and_class(stage, named):
     shape = (16,) if isinstance(stage[0], nn.Linear) else (1, 4, 4)
-    assert named in (web_refusal(stage, shape) or "")
+    assert named in (stages_refusal(stage, shape) or "")
     with pytest.raises(WebRefusal, match=named.replace("(", r"\(").replace(")", r"\)")):
         describe_stages(stage, shape)
 

@@ -51,6 +51,8 @@ type Waiter = { resolve: (reply: Uint8Array) => void; reject: (err: Error) => vo
 export class TrunkSocket {
   bytesUp = 0;
   bytesDown = 0;
+  /** Seconds spent waiting for the trunk's replies (the trunk's time, not the device's). */
+  waitS = 0;
   private seq = 0;
   private waiter: Waiter | null = null;
   private closed: string | null = null;
@@ -117,6 +119,7 @@ export class TrunkSocket {
     if (this.waiter !== null) {
       return Promise.reject(new Error("splitlearn trunk: one request at a time"));
     }
+    const sent = performance.now();
     return new Promise<Uint8Array>((resolve, reject) => {
       const timer = setTimeout(() => {
         this.waiter = null;
@@ -124,7 +127,11 @@ export class TrunkSocket {
         reject(new Error(`splitlearn trunk: no reply within ${timeoutMs} ms`));
       }, timeoutMs);
       this.waiter = {
-        resolve: (reply) => { clearTimeout(timer); resolve(reply); },
+        resolve: (reply) => {
+          clearTimeout(timer);
+          this.waitS += (performance.now() - sent) / 1000;
+          resolve(reply);
+        },
         reject: (err) => { clearTimeout(timer); reject(err); },
       };
       this.bytesUp += frame.length;

@@ -1,0 +1,228 @@
+"""Phones join from a browser: headless Chromium pages as Flower nodes, through the gateway.
+
+On Flower's Deployment Engine with TLS and SuperNode authentication (the deployment tests'
+SuperLink), ``python -m clients.gateway`` holds a registered SuperNode per phone, and each
+phone is a Chromium page at a phone's viewport (Playwright, Debian's Chromium) that opened
+the join URL the gateway printed and consented. Python devices join beside them with
+``clients.connect``. The run is ``flwr run`` with ``devices.web=true``; the trunk serves its
+WebSocket over TLS, which the pages reach directly.
+
+- Three phones and two Python devices train the default job for three rounds: every phone
+  has ``ok`` rows with its own node id, its bytes and its time per batch, and each device's
+  training loss and the run's final accuracy are those of five Python devices with the same
+  seed (in process). The job's trunk is one copy per device (``strategy=splitfed_v1``):
+  with one shared trunk (the default, SplitFed v2) the batches interleave in arrival order,
+  and two all-Python runs of the same seed already differ by 1.7 points after three rounds
+  (0.858 to 0.875, measured), which would hide what is compared: the phones' arithmetic.
+- Then, on the same federation, the default job: a phone that closes its page mid-round is
+  ``lost`` and the round completes with the others; the page opened again rejoins as the
+  same node and trains the next round. A forged or expired join token is refused with its
+  reason, and so is a page that sends the gateway garbage.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clients.app import build_client_app
+from experiments.central import free_port
+from experiments.certificates import make_node_key
+from experiments.local import LocalGrid
+from protocols import compose_config
+from server.app import run_training, start_runtime, stop_runtime
+from tests.integration.test_deployment import (  # noqa: F401 - the deployment fixture
+    Processes,
+    deployment,
+    flwr,
+    online_nodes,
+    recorded_rounds,
+    start_run,
+    tls_overrides,
+)
+from tests.integration.test_deployment_docs import batches_done
+from tests.integration.test_simulation import read_clients
+from tests.processes import wait_for
+
+pytestmark = pytest.mark.serial
+
+PHONE = {"viewport": {"width": 390, "height": 844}, "device_scale_factor": 2, "is_mobile": True,
+         "has_touch": True, "ignore_https_errors": True}  # the test CA's trunk (wss)
+RUN = ["num_clients={n}", "devices.web=true", "dataplane.websocket_port=0", "logger=none",
+       "logger.plots=false", "strategy.num_rounds=3", "strategy.local_epochs=1",
+       "strategy.round_timeout_s=150"]
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[object]:
+    from playwright.sync_api import sync_playwright
+
+    executable = shutil.which("chromium")
+    if executable is None:
+        pytest.fail("no chromium on PATH: run `make web` (it installs Debian's)")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=executable,
+                                     args=["--no-sandbox", "--ignore-certificate-errors"])
+        yield browser
+        browser.close()
+
+
+def register_keys(env, folder: Path, names: list[str]) -> list[Path]:
+    """A SuperNode key per name, registered with the SuperLink; the private keys."""
+    keys = []
+    for name in names:
+        private, public = make_node_key(folder, name)
+        registered = flwr("supernode", "register", str(public), "--format", "json", env=env)
+        assert registered.returncode == 0, registered.stdout + registered.stderr
+        keys.append(private)
+    return keys
+
+
+def start_gateway(processes: Processes, env, tmp_path: Path, *, port: int, ca: Path,
+                  keys: list[Path], first: int, partitions: int, ttl_s: float = 3600) -> str:
+    """``python -m clients.gateway`` with a registered key per phone; the join URL it prints."""
+    processes.start("gateway", [
+        sys.executable, "-m", "clients.gateway", "--superlink", f"127.0.0.1:{port}",
+        "--root-certificates", str(ca), *[f"--auth-key={key}" for key in keys],
+        "--first-partition", str(first), "--num-partitions", str(partitions),
+        "--port", str(free_port()), "--token-ttl", str(ttl_s), "--qr", str(tmp_path / "join.png"),
+        "--logs", str(tmp_path), "--cache-dir", str(tmp_path / "phone-caches")], env)
+    log = tmp_path / "gateway.log"
+    wait_for(lambda: "phones join at" in log.read_text(), "the gateway's join URL")
+    assert (tmp_path / "join.png").read_bytes().startswith(b"\x89PNG")
+    return re.search(r"phones join at (\S+)", log.read_text()).group(1)
+
+
+def open_phone(chromium, url: str, *, context=None):  # noqa: ANN001, ANN201
+    """A phone's page at ``url``: consented, connected (or turned away: see its state)."""
+    context = context or chromium.new_context(**PHONE)
+    page = context.new_page()
+    page.goto(url)
+    page.wait_for_function("document.getElementById('backend').textContent !== '-'")
+    if page.is_visible("#join"):  # a page that joined before goes on by itself
+        page.click("#join")
+    return page
+
+
+def state_of(page) -> str:  # noqa: ANN001
+    return page.inner_text("#state")
+
+
+def wait_connected(pages: list) -> None:
+    for page in pages:
+        wait_for(lambda page=page: state_of(page).startswith("connected"), "a phone connected",
+                 timeout_s=60)
+
+
+def start_python_device(processes: Processes, env, *, index: int, count: int, port: int,
+                        ca: Path, key: Path, cache: Path) -> None:
+    """A Python device (``clients.connect``) training partition ``index`` of ``count``."""
+    processes.start(f"device-{index}", [
+        sys.executable, "-m", "clients.connect", "--superlink", f"127.0.0.1:{port}",
+        "--profile", "raspberry_pi_4", "--cache-dir", str(cache), "--root-certificates", str(ca),
+        "--auth-key", str(key), "--partition-id", str(index), "--num-partitions", str(count),
+        "--port", str(free_port()), "--max-wait-time", "60"], env)
+
+
+def run_to_end(run_dir: Path, overrides: list[str], env, *, timeout_s: float = 500) -> None:
+    run = start_run(run_dir, overrides, env)
+    output, _ = run.communicate(timeout=timeout_s)
+    assert run.returncode == 0, output[-3000:]
+
+
+def python_devices_accuracy(tmp_path: Path, overrides: list[str]) -> float:
+    """Final accuracy of the same run with only Python devices, in process (the reference)."""
+    cfg = compose_config(overrides)
+    cfg.run_dir = str(tmp_path / "reference")
+    runtime = start_runtime(cfg)
+    try:
+        grid = LocalGrid(build_client_app(), num_nodes=cfg.num_clients, concurrency=2)
+        run_training(grid, runtime)
+    finally:
+        stop_runtime(runtime)
+    return recorded_rounds(tmp_path / "reference")[-1]["test_accuracy"]
+
+
+def test_phones_train_as_python_devices_leave_mid_round_and_rejoin_as_the_same_node(
+        deployment, chromium, tmp_path):  # noqa: F811
+    files, env, port, processes = deployment
+    for i, key in enumerate(register_keys(env, tmp_path / "keys", ["device0", "device1"])):
+        start_python_device(processes, env, index=i, count=5, port=port, ca=files.ca, key=key,
+                            cache=tmp_path / f"cache{i}")
+    ttl_s = 30  # the phones join at once; the link has expired by the second run
+    phone_keys = register_keys(env, tmp_path / "keys", ["phone0", "phone1", "phone2"])
+    url = start_gateway(processes, env, tmp_path, port=port, ca=files.ca, keys=phone_keys,
+                        first=2, partitions=5, ttl_s=ttl_s)
+    issued = time.time()
+    phones = [open_phone(chromium, url) for _ in range(3)]
+    wait_connected(phones)
+    # A forged token and a page that sends the gateway garbage are turned away by reason.
+    forged = open_phone(chromium, url.replace("token=", "token=1"))
+    wait_for(lambda: "not joined: the join token is not this gateway's" in state_of(forged),
+             "a forged token refused")
+    closed = phones[0].evaluate("""url => new Promise(done => {
+        const socket = new WebSocket(url);
+        socket.onopen = () => socket.send("{not json");
+        socket.onclose = (event) => done([event.code, event.reason]);
+    })""", url.split("?")[0].replace("http", "ws") + "phone")
+    assert closed == [4401, 'a hello is {"join": token}']
+    wait_for(lambda: len(online_nodes(env)) == 5, "5 nodes online", timeout_s=90)
+
+    # 1. Three rounds, every device in every round.
+    overrides = [o.format(n=5) for o in RUN] + ["strategy=splitfed_v1"]
+    run_to_end(tmp_path / "run", [*overrides, *tls_overrides(files)], env)
+    rows = read_clients(tmp_path / "run")
+    assert [r["status"] for r in rows] == ["ok"] * 15
+    phone_rows = [r for r in rows if int(r["partition_id"]) >= 2]
+    node_of = {r["partition_id"]: r["node_id"] for r in phone_rows}
+    assert len(set(node_of.values())) == 3 and sorted(node_of) == ["2", "3", "4"]
+    assert {(r["partition_id"], r["node_id"]) for r in phone_rows} == set(node_of.items())
+    for row in phone_rows:
+        assert row["profile"] == "mid_range_phone"
+        assert int(row["steps"]) == int(row["round_steps"]) > 0  # the whole round
+        assert int(row["bytes_up"]) > int(row["weights_bytes_up"]) > 0  # smashed data, over wss
+        assert float(row["compute_s"]) > 0 and float(row["peak_memory_bytes"]) > 0
+    assert [phone.inner_text("#round") for phone in phones] == ["3"] * 3
+    # The phones trained their partitions' batches in a Python device's order, with the
+    # same arithmetic (within float32): five Python devices train alike.
+    reference = python_devices_accuracy(tmp_path, overrides)
+    expected = {(r["round"], r["partition_id"]): float(r["train_loss"])
+                for r in read_clients(tmp_path / "reference")}
+    for row in rows:
+        loss = expected[(row["round"], row["partition_id"])]
+        assert float(row["train_loss"]) == pytest.approx(loss, rel=1e-3), row["partition_id"]
+    final = recorded_rounds(tmp_path / "run")[-1]["test_accuracy"]
+    assert abs(final - reference) <= 0.01 + 1e-9, (final, reference)
+
+    # Once the link has expired, a new phone is refused with that reason.
+    time.sleep(max(0.0, issued + ttl_s + 1 - time.time()))
+    late = open_phone(chromium, url)
+    wait_for(lambda: "not joined: the join token expired" in state_of(late),
+             "an expired token refused")
+
+    # 2. The default job: a phone's page closes a few batches into round 1.
+    leaving = phones[0]
+    run_dir = tmp_path / "faults"
+    run = start_run(run_dir, [*[o.format(n=5) for o in RUN if "num_rounds" not in o],
+                              "strategy.num_rounds=2", *tls_overrides(files)], env)
+    wait_for(lambda: leaving.inner_text("#round") == "1" and batches_done(leaving) >= 3,
+             "round 1 under way", timeout_s=300)
+    context = leaving.context
+    leaving.close()
+    wait_for(lambda: len(recorded_rounds(run_dir)) >= 2, "round 1 recorded", timeout_s=300)
+    back = open_phone(chromium, url, context=context)  # the page kept its place
+    output, _ = run.communicate(timeout=400)
+    assert run.returncode == 0, output[-3000:]
+    rows = {(r["round"], r["partition_id"]): r for r in read_clients(run_dir)}
+    assert rows[("1", "2")]["status"] == "lost"
+    assert "left mid-round" in rows[("1", "2")]["reason"]
+    assert [rows[("1", p)]["status"] for p in "0134"] == ["ok"] * 4  # the round completed
+    assert [rows[("2", p)]["status"] for p in "01234"] == ["ok"] * 5
+    assert rows[("2", "2")]["node_id"] == node_of["2"]  # the same node again
+    assert back.inner_text("#round") == "2"

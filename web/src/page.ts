@@ -1,0 +1,257 @@
+// The page a person opens on a phone (dist/page.js, served by clients/gateway.py with
+// web/page.html): consent, then the phone joins the gateway, trains each round the server
+// asks for against the trunk, and shows what it is doing. One WebSocket to the gateway
+// carries JSON (join, tasks, progress, results); the trunk gets its own, binary frames.
+import * as tf from "@tensorflow/tfjs";
+import { encode, Encoded } from "./codec";
+import { DeviceStages, SgdOptions, StagesDescription, State } from "./stages";
+import { trainBatch, trainUShapedBatch } from "./steps";
+import { TrunkRefused, TrunkSocket } from "./trunk";
+
+const TASK_FORMAT = "splitlearn.web.task/1";
+/** localStorage key of this phone's place at the gateway (kept to rejoin as the same node). */
+const DEVICE_KEY = "splitlearn-device";
+const RETRY_MS = 3000;
+/** Batches of a round whose memory is measured (tf.profile costs time on each one). */
+const MEASURED_BATCHES = 3;
+
+interface Task {
+  format: string;
+  round: number;
+  cut: number;
+  parts: StagesDescription[];
+  sgd: SgdOptions;
+  trunk: { url: string; token: string; proof: string | null };
+  data: { id: string; shape: number[]; inputs?: string; labels?: number[] };
+  batches: number[][];
+  deadline_s: number | null;
+  least_steps: number;
+}
+
+interface Data {
+  id: string;
+  shape: number[];
+  rows: Float32Array;
+  labels: number[];
+}
+
+const view = {
+  get: (id: string) => document.getElementById(id) as HTMLElement,
+  set(id: string, text: string) {
+    const element = document.getElementById(id);
+    if (element) element.textContent = text;
+  },
+};
+
+let gateway: WebSocket | null = null;
+let data: Data | null = null;
+let leaving = false;
+let busy = false;
+
+function joinToken(): string | null {
+  return new URLSearchParams(location.search).get("token");
+}
+
+function gatewayUrl(): string {
+  return `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/phone`;
+}
+
+function send(message: object): void {
+  if (gateway && gateway.readyState === WebSocket.OPEN) gateway.send(JSON.stringify(message));
+}
+
+function showState(text: string): void {
+  view.set("state", text);
+}
+
+function formatBytes(bytes: number): string {
+  if (bytes < 1024) return `${bytes} B`;
+  if (bytes < 1024 ** 2) return `${(bytes / 1024).toFixed(1)} KiB`;
+  return `${(bytes / 1024 ** 2).toFixed(1)} MiB`;
+}
+
+/** Keep the task's data (sent once per phone and partition), or check the one held. */
+function takeData(task: Task): Data {
+  const given = task.data;
+  if (given.inputs !== undefined && given.labels !== undefined) {
+    const decoded = encodedRows(given.shape, given.inputs);
+    data = { id: given.id, shape: given.shape, rows: decoded, labels: given.labels };
+    send({ holds: given.id });
+  }
+  if (!data || data.id !== given.id) throw new Error("the task's data is not on this phone");
+  return data;
+}
+
+function encodedRows(shape: number[], base64: string): Float32Array {
+  const binary = atob(base64);
+  const rows = new Float32Array(binary.length / 4);
+  const view8 = new Uint8Array(rows.buffer);
+  for (let i = 0; i < binary.length; i++) view8[i] = binary.charCodeAt(i); // little-endian hosts
+  if (rows.length !== shape.reduce((a, b) => a * b, 1)) {
+    throw new Error(`the data has ${rows.length} values, its shape [${shape}] needs more`);
+  }
+  return rows;
+}
+
+function batchOf(held: Data, indices: number[]): { inputs: Encoded; labels: number[] } {
+  const sample = held.shape.slice(1).reduce((a, b) => a * b, 1);
+  const values = new Float32Array(indices.length * sample);
+  indices.forEach((row, i) => {
+    if (!(row >= 0 && row < held.labels.length)) throw new Error(`row ${row} is not in the data`);
+    values.set(held.rows.subarray(row * sample, (row + 1) * sample), i * sample);
+  });
+  return { inputs: encode([indices.length, ...held.shape.slice(1)], values),
+           labels: indices.map((row) => held.labels[row]) };
+}
+
+/** Train the task's batches against the trunk; the result the gateway relays. */
+async function runTask(task: Task): Promise<object> {
+  if (task.format !== TASK_FORMAT) throw new Error(`a task of format ${task.format}`);
+  const held = takeData(task);
+  const parts = task.parts.map((part) => new DeviceStages(part, task.sgd));
+  const [head, tail] = parts;
+  const started = performance.now();
+  let trunk: TrunkSocket | null = null;
+  const tally = { steps: 0, examples: 0, loss_sum: 0, correct: 0, compute_s: 0, peak_bytes: 0 };
+  try {
+    trunk = await TrunkSocket.open(task.trunk.url, task.trunk.token, task.trunk.proof);
+    view.set("round", String(task.round));
+    view.set("batches", `0 / ${task.batches.length}`);
+    (view.get("progress") as HTMLProgressElement).value = 0;
+    for (const indices of task.batches) {
+      const elapsed = (performance.now() - started) / 1000;
+      const perBatch = tally.steps ? elapsed / tally.steps : 0;
+      if (task.deadline_s !== null && tally.steps >= task.least_steps
+          && elapsed + perBatch > task.deadline_s) break;
+      const { inputs, labels } = batchOf(held, indices);
+      const before = performance.now();
+      const waited = trunk.waitS;
+      const session = trunk;
+      const train = () => (tail ? trainUShapedBatch(head, tail, session, inputs, labels)
+        : trainBatch(head, session, inputs, labels));
+      let outcome = { loss: 0, correct: 0 };
+      if (tally.steps < MEASURED_BATCHES) { // the most TensorFlow.js held during the batch
+        const info = await tf.profile(async () => { outcome = await train(); return []; });
+        tally.peak_bytes = Math.max(tally.peak_bytes, info.peakBytes);
+      } else {
+        outcome = await train();
+      }
+      const { loss, correct } = outcome;
+      const batchS = (performance.now() - before) / 1000 - (trunk.waitS - waited);
+      tally.steps += 1;
+      tally.examples += labels.length;
+      tally.loss_sum += loss * labels.length;
+      tally.correct += correct;
+      tally.compute_s += batchS;
+      progress(task, tally, batchS, trunk.bytesUp);
+    }
+    const states: State[] = parts.map((part) => part.state());
+    return {
+      states,
+      metrics: { ...tally, wait_s: trunk.waitS, wall_s: (performance.now() - started) / 1000,
+                 bytes_up: trunk.bytesUp, bytes_down: trunk.bytesDown, backend: tf.getBackend() },
+    };
+  } finally {
+    trunk?.close();
+    parts.forEach((part) => part.dispose());
+  }
+}
+
+function progress(task: Task, tally: { steps: number; examples: number; loss_sum: number;
+                  correct: number }, batchS: number, bytesUp: number): void {
+  const share = tally.steps / Math.max(task.batches.length, 1);
+  (view.get("progress") as HTMLProgressElement).value = share;
+  view.set("batches", `${tally.steps} / ${task.batches.length}`);
+  view.set("loss", (tally.loss_sum / tally.examples).toFixed(3));
+  view.set("accuracy", `${(100 * tally.correct / tally.examples).toFixed(1)}%`);
+  view.set("batch-ms", `${(1000 * batchS).toFixed(1)} ms`);
+  view.set("sent", formatBytes(bytesUp));
+  send({ progress: { steps: tally.steps, of: task.batches.length } });
+}
+
+async function onTask(task: Task): Promise<void> {
+  busy = true;
+  showState(`training round ${task.round}`);
+  try {
+    send({ result: await runTask(task) });
+    showState(`round ${task.round} done; waiting for the next`);
+  } catch (error) {
+    const reason = error instanceof TrunkRefused ? `the trunk refused: ${error.message}`
+      : String((error as Error).message ?? error);
+    send({ failed: reason });
+    showState(`round ${task.round} failed: ${reason}`);
+  } finally {
+    busy = false;
+  }
+}
+
+function connect(): void {
+  const stored = localStorage.getItem(DEVICE_KEY);
+  const token = joinToken();
+  if (!stored && !token) {
+    showState("this page needs the join link the operator shared (it carries a token)");
+    return;
+  }
+  showState("connecting");
+  const socket = new WebSocket(gatewayUrl());
+  gateway = socket;
+  socket.onopen = () => {
+    const hello = stored ? { rejoin: stored } : { join: token };
+    socket.send(JSON.stringify({ ...hello, backend: tf.getBackend(), agent: navigator.userAgent }));
+  };
+  socket.onmessage = (event) => {
+    const message = JSON.parse(String(event.data));
+    if (message.joined) {
+      localStorage.setItem(DEVICE_KEY, message.joined.device);
+      view.set("node", `place ${message.joined.slot}, data share ${message.joined.partition}`);
+      showState("connected; waiting for a round");
+      if (data) send({ holds: data.id });
+    } else if (message.task) {
+      if (busy) send({ failed: "this phone is still training the last round" });
+      else void onTask(message.task as Task);
+    } else if (message.status) {
+      showState(String(message.status));
+    }
+  };
+  socket.onclose = (event) => {
+    if (gateway !== socket) return;
+    gateway = null;
+    if (leaving) {
+      showState("you left; close this page");
+      return;
+    }
+    if (event.code === 4401) { // the gateway turned this place away: start over
+      localStorage.removeItem(DEVICE_KEY);
+      showState(`not joined: ${event.reason}`);
+      if (!stored) return;
+    } else {
+      showState(`disconnected (${event.reason || event.code}); retrying`);
+    }
+    setTimeout(connect, RETRY_MS);
+  };
+}
+
+function leave(): void {
+  leaving = true;
+  send({ leave: true });
+  localStorage.removeItem(DEVICE_KEY);
+  gateway?.close(1000, "left");
+  (view.get("leave") as HTMLButtonElement).disabled = true;
+}
+
+async function start(): Promise<void> {
+  const backend = new URLSearchParams(location.search).get("backend");
+  if (backend) await tf.setBackend(backend);
+  await tf.ready();
+  view.set("backend", tf.getBackend());
+  view.get("join").addEventListener("click", () => {
+    if (!view.get("status").hidden) return; // joined already (a second click)
+    view.get("consent").hidden = true;
+    view.get("status").hidden = false;
+    connect();
+  });
+  view.get("leave").addEventListener("click", leave);
+  if (localStorage.getItem(DEVICE_KEY)) view.get("join").click(); // consented before
+}
+
+void start();
