@@ -91,6 +91,11 @@
     Page faults per trunk step with glibc's malloc as set by default and as the
     trunk sets it (``dataplane.trunk_reuses_memory``); see :mod:`benchmarks.allocator`.
 
+``gateway``
+    The phone gateway's cost to its host per joined phone (its SuperNode, idle between
+    rounds) for ``--clients`` phones (1 8 32 64 128), and per training phone in a round
+    (its ClientApp, with ``--training`` Chromium pages, 4); see :mod:`benchmarks.gateway`.
+
 Extra arguments are Hydra overrides, e.g. ``strategy.num_rounds=5``.
 """
 
@@ -447,6 +452,16 @@ def bench_allocator_suite(overrides: Sequence[str]) -> None:
     bench_allocator(overrides)
 
 
+def bench_gateway_suite(overrides: Sequence[str], *, phones: Sequence[int],
+                        training: int) -> None:
+    """Measure the phone gateway's cost per phone (:mod:`benchmarks.gateway`)."""
+    from benchmarks.gateway import bench_gateway
+
+    if overrides:
+        raise SystemExit("gateway takes no overrides: its round is the default job")
+    bench_gateway(phones, training=training, idle_s=20.0)
+
+
 BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
               "defences": bench_defences_suite,
               "compression": bench_compression_suite, "communication": bench_communication_suite,
@@ -455,7 +470,8 @@ BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
               "tls": bench_tls, "executorch": bench_executorch,
               "executorch-rounds": bench_executorch_rounds_suite, "netns": bench_netns_suite,
               "trunk": bench_trunk_suite, "handoff": bench_handoff_suite,
-              "allocator": bench_allocator_suite, "parser": bench_parser_suite}
+              "allocator": bench_allocator_suite, "parser": bench_parser_suite,
+              "gateway": bench_gateway_suite}
 
 
 def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -471,7 +487,10 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds, defences: runs of each job")
     parser.add_argument("--clients", type=int, nargs="+",
-                        help="overhead: clients (1 4 16); scale: registered (10 ... 10000)")
+                        help="overhead: clients (1 4 16); scale: registered (10 ... 10000); "
+                        "gateway: phones joined (1 8 32 64 128)")
+    parser.add_argument("--training", type=int, default=4,
+                        help="gateway: Chromium phones training one round (0: none)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="overhead: numbers of trunk workers")
     parser.add_argument("--target", type=float, default=0.9, help="planner: test accuracy")
@@ -520,6 +539,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         bench_defences_suite(args.overrides, repeats=args.repeats)
     elif args.name == "trunk":
         bench_trunk_suite(args.overrides, models=args.models)
+    elif args.name == "gateway":
+        bench_gateway_suite(args.overrides, phones=args.clients or [1, 8, 32, 64, 128],
+                            training=args.training)
     elif args.name == "netns":
         bench_netns_suite(args.overrides, relay=not args.no_relay)
     else:

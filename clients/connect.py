@@ -228,7 +228,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     print(f"joining {args.superlink} as a {args.profile} (partition {args.partition_id} of "
           f"{args.num_partitions}); Ctrl-C leaves", flush=True)
+    os.environ["PATH"] = with_own_tools(os.environ.get("PATH", ""))
     os.execvp(command[0], command)
+
+
+def with_own_tools(path: str) -> str:
+    """Return ``path`` with this interpreter's scripts folder first.
+
+    The SuperNode starts Flower's other tools (``flower-superexec``, ``flwr-clientapp``) by
+    name: run by a virtual environment's ``python`` without activating it, it would not
+    find them.
+    """
+    return os.pathsep.join([str(Path(sys.executable).parent), path])
 
 
 if __name__ == "__main__":

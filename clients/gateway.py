@@ -292,8 +292,9 @@ class Gateway:
                 return
             command = self.supernode_command(slot)
             log = open(self.logs / f"supernode-{slot.index}.log", "ab")  # noqa: SIM115
+            env = os.environ | {"PATH": connect.with_own_tools(os.environ.get("PATH", ""))}
             slot.supernode = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True)
+                                              start_new_session=True, env=env)
             log.close()
 
     def supernode_command(self, slot: Slot) -> list[str]:

@@ -100,10 +100,15 @@ def start_gateway(processes: Processes, env, tmp_path: Path, *, port: int, ca: P
 
 
 def open_phone(chromium, url: str, *, context=None):  # noqa: ANN001, ANN201
-    """A phone's page at ``url``: consented, connected (or turned away: see its state)."""
+    """A phone's page at ``url``: consented, connected (or turned away: see its state).
+
+    On TensorFlow.js's ``cpu`` backend: Chromium's WebGL here is SwiftShader, which costs
+    the shared CI host more CPU (both backends equal PyTorch: tests/integration/
+    test_web_step.py).
+    """
     context = context or chromium.new_context(**PHONE)
     page = context.new_page()
-    page.goto(url)
+    page.goto(url + "&backend=cpu")
     page.wait_for_function("document.getElementById('backend').textContent !== '-'")
     if page.is_visible("#join"):  # a page that joined before goes on by itself
         page.click("#join")

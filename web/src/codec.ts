@@ -11,32 +11,58 @@ export function size(shape: number[]): number {
   return shape.reduce((a, b) => a * b, 1);
 }
 
-export function decode(encoded: Encoded): Float32Array {
-  if (!encoded || !Array.isArray(encoded.shape) || typeof encoded.data !== "string") {
-    throw new Error("splitlearn web runtime: a tensor must be {shape: number[], data: base64}");
-  }
-  const binary = atob(encoded.data);
-  const expected = size(encoded.shape) * 4;
-  if (binary.length !== expected) {
-    throw new Error(`splitlearn web runtime: shape [${encoded.shape}] needs ${expected} bytes, ` +
-      `got ${binary.length}`);
-  }
+/** Whether this host stores a float32 little-endian (then its bytes are the wire's as they are). */
+const LITTLE_ENDIAN = new Uint8Array(new Float32Array([1]).buffer)[3] === 0x3f;
+
+/** The bytes of a base64 string. */
+export function fromBase64(text: string): Uint8Array {
+  const binary = atob(text);
   const bytes = new Uint8Array(binary.length);
   for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
-  const view = new DataView(bytes.buffer);
-  const values = new Float32Array(binary.length / 4);
+  return bytes;
+}
+
+/** A base64 string of ``bytes`` (String.fromCharCode takes the typed array as it is). */
+export function toBase64(bytes: Uint8Array): string {
+  let binary = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) {
+    binary += String.fromCharCode.apply(null, bytes.subarray(i, i + 0x8000) as unknown as number[]);
+  }
+  return btoa(binary);
+}
+
+/** Little-endian float32 bytes as values (a view's copy where the host is little-endian). */
+export function float32FromBytes(bytes: Uint8Array): Float32Array {
+  if (LITTLE_ENDIAN) return new Float32Array(bytes.slice().buffer);
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  const values = new Float32Array(bytes.length / 4);
   for (let i = 0; i < values.length; i++) values[i] = view.getFloat32(i * 4, true);
   return values;
 }
 
-export function encode(shape: number[], values: Float32Array): Encoded {
+/** Values as little-endian float32 bytes. */
+export function bytesOfFloat32(values: Float32Array): Uint8Array {
+  if (LITTLE_ENDIAN) return new Uint8Array(values.buffer.slice(values.byteOffset,
+                                                               values.byteOffset + values.byteLength));
   const bytes = new Uint8Array(values.length * 4);
   const view = new DataView(bytes.buffer);
   for (let i = 0; i < values.length; i++) view.setFloat32(i * 4, values[i], true);
-  let binary = "";
-  const chunk = 0x8000;
-  for (let i = 0; i < bytes.length; i += chunk) {
-    binary += String.fromCharCode.apply(null, Array.from(bytes.subarray(i, i + chunk)));
+  return bytes;
+}
+
+export function decode(encoded: Encoded): Float32Array {
+  if (!encoded || !Array.isArray(encoded.shape) || typeof encoded.data !== "string") {
+    throw new Error("splitlearn web runtime: a tensor must be {shape: number[], data: base64}");
   }
-  return { shape: shape.slice(), data: btoa(binary) };
+  const bytes = fromBase64(encoded.data);
+  const expected = size(encoded.shape) * 4;
+  if (bytes.length !== expected) {
+    throw new Error(`splitlearn web runtime: shape [${encoded.shape}] needs ${expected} bytes, ` +
+      `got ${bytes.length}`);
+  }
+  return float32FromBytes(bytes);
+}
+
+export function encode(shape: number[], values: Float32Array): Encoded {
+  return { shape: shape.slice(), data: toBase64(bytesOfFloat32(values)) };
 }

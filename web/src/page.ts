@@ -3,7 +3,7 @@
 // asks for against the trunk, and shows what it is doing. One WebSocket to the gateway
 // carries JSON (join, tasks, progress, results); the trunk gets its own, binary frames.
 import * as tf from "@tensorflow/tfjs";
-import { encode, Encoded } from "./codec";
+import { encode, Encoded, float32FromBytes, fromBase64 } from "./codec";
 import { DeviceStages, SgdOptions, StagesDescription, State } from "./stages";
 import { trainBatch, trainUShapedBatch } from "./steps";
 import { TrunkRefused, TrunkSocket } from "./trunk";
@@ -83,10 +83,7 @@ function takeData(task: Task): Data {
 }
 
 function encodedRows(shape: number[], base64: string): Float32Array {
-  const binary = atob(base64);
-  const rows = new Float32Array(binary.length / 4);
-  const view8 = new Uint8Array(rows.buffer);
-  for (let i = 0; i < binary.length; i++) view8[i] = binary.charCodeAt(i); // little-endian hosts
+  const rows = float32FromBytes(fromBase64(base64));
   if (rows.length !== shape.reduce((a, b) => a * b, 1)) {
     throw new Error(`the data has ${rows.length} values, its shape [${shape}] needs more`);
   }

@@ -1,8 +1,8 @@
 // A web device's session with the trunk: the WebSocket service of
 // splitlearn/dataplane/websocket.py, the same trunk.proto frames as the gRPC stream.
-import { Encoded } from "./codec";
+import { Encoded, fromBase64, toBase64 } from "./codec";
 import {
-  backwardRequest, DType, float32Values, forwardRequest, int64Tensor, readReply, Reply, Tensor,
+  backwardRequest, checkFloat32, DType, forwardRequest, int64Tensor, readReply, Reply, Tensor,
 } from "./wire";
 
 /** The trunk refused a frame (nothing changed there); ``reason`` is trunk.proto's name. */
@@ -12,28 +12,13 @@ export class TrunkRefused extends Error {
   }
 }
 
-function fromBase64(text: string): Uint8Array {
-  const binary = atob(text);
-  const bytes = new Uint8Array(binary.length);
-  for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
-  return bytes;
-}
-
-function toBase64(bytes: Uint8Array): string {
-  let binary = "";
-  for (let i = 0; i < bytes.length; i += 0x8000) {
-    binary += String.fromCharCode.apply(null, Array.from(bytes.subarray(i, i + 0x8000)));
-  }
-  return btoa(binary);
-}
-
 /** The runtime's tensors (float32 little-endian, base64) are a FLOAT32 tensor's bytes. */
 export function tensorOf(encoded: Encoded): Tensor {
   return { dtype: DType.FLOAT32, shape: encoded.shape.slice(), data: fromBase64(encoded.data) };
 }
 
 export function encodedOf(tensor: Tensor): Encoded {
-  float32Values(tensor); // checks the dtype and the length
+  checkFloat32(tensor);
   return { shape: tensor.shape.slice(), data: toBase64(tensor.data) };
 }
 

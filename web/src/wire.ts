@@ -4,6 +4,8 @@
 // pull a protobuf runtime into every phone's download. The field numbers are the .proto's;
 // tests/integration/test_web_trunk.py checks these bytes against Python's own protobuf.
 
+import { bytesOfFloat32, float32FromBytes } from "./codec";
+
 export const enum DType {
   FLOAT32 = 1,
   FLOAT16 = 2,
@@ -95,10 +97,7 @@ function tensorWriter(tensor: Tensor): Writer {
 
 /** float32 values, little-endian, as a FLOAT32 tensor of ``shape``. */
 export function float32Tensor(shape: number[], values: Float32Array): Tensor {
-  const data = new Uint8Array(values.length * 4);
-  const view = new DataView(data.buffer);
-  for (let i = 0; i < values.length; i++) view.setFloat32(i * 4, values[i], true);
-  return { dtype: DType.FLOAT32, shape, data };
+  return { dtype: DType.FLOAT32, shape, data: bytesOfFloat32(values) };
 }
 
 /** Integer labels as an INT64 tensor (one row each). */
@@ -204,7 +203,8 @@ function readTensor(bytes: Uint8Array): Tensor {
 }
 
 /** A dense FLOAT32 tensor's values. */
-export function float32Values(tensor: Tensor): Float32Array {
+/** Refuse a tensor that is not dense float32 of its shape's length. */
+export function checkFloat32(tensor: Tensor): void {
   if (tensor.dtype !== DType.FLOAT32) {
     throw new Error(`splitlearn wire: dtype ${tensor.dtype} where float32 was expected ` +
       "(the web runtime reads dense float32: dataplane.compression.downlink=none)");
@@ -214,10 +214,11 @@ export function float32Values(tensor: Tensor): Float32Array {
     throw new Error(`splitlearn wire: shape [${tensor.shape}] needs ${count * 4} bytes, got ` +
       `${tensor.data.length}`);
   }
-  const view = new DataView(tensor.data.buffer, tensor.data.byteOffset, tensor.data.length);
-  const values = new Float32Array(count);
-  for (let i = 0; i < count; i++) values[i] = view.getFloat32(i * 4, true);
-  return values;
+}
+
+export function float32Values(tensor: Tensor): Float32Array {
+  checkFloat32(tensor);
+  return float32FromBytes(tensor.data);
 }
 
 export interface Reply {
