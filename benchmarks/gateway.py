@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from websockets.sync.client import connect
+
+from clients.gateway import stop_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 FLWR = Path(sys.executable).with_name("flwr")
@@ -167,14 +168,7 @@ class Federation:
 
     def stop(self) -> None:
         """Stop the gateway (and its SuperNodes), then the SuperLink."""
-        for proc in self.started[::-1]:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.started:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_groups(self.started[::-1], timeout_s=30)
 
 
 def idle_cost(phones: int, *, idle_s: float) -> dict[str, float]:

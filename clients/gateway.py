@@ -182,15 +182,7 @@ class Gateway:
         """Stop serving and stop every SuperNode this gateway started."""
         if self._server is not None:
             self._server.shutdown()
-        for slot in self.slots:
-            if slot.supernode is not None and slot.supernode.poll() is None:
-                os.killpg(slot.supernode.pid, signal.SIGTERM)
-        for slot in self.slots:
-            if slot.supernode is not None:
-                try:
-                    slot.supernode.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(slot.supernode.pid, signal.SIGKILL)
+        stop_groups([s.supernode for s in self.slots if s.supernode is not None])
 
     def _http(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.partition("?")[0]
@@ -354,6 +346,23 @@ class Gateway:
             return {"failed": f"no answer within {self.args.round_timeout:.0f} s", "kind": "lost"}
         finally:
             slot.busy = False
+
+
+def stop_groups(processes: Sequence[subprocess.Popen], timeout_s: float = 15) -> None:
+    """Stop processes each started in a session of its own, with whatever they started.
+
+    SIGTERM to every process group first (they stop in parallel), SIGKILL to a group still
+    there after ``timeout_s``.
+    """
+    for proc in processes:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in processes:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout_s)
 
 
 def runtime_port() -> int:

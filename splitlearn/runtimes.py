@@ -5,9 +5,10 @@ through an exported ExecuTorch program (``executorch``): the split step's device
 without privacy that clips, noises or regularises, without activation recomputation,
 and without buffers the program would not update. A phone runs it in its browser
 (``web``, :mod:`splitlearn.web`): the split and U-shaped steps on dense float32 frames,
-without device-side privacy mechanisms or activation recomputation, on the layers the
-web runtime declares. Which protocols' device steps a
-runtime can run at all is each protocol's capability (``Capabilities.runtimes``);
+releasing clipped and noised activations where asked, without DP-SGD, NoPeek, gradient
+noise or activation recomputation, on the layers the web runtime declares. Which
+protocols' device steps a runtime can run at all is each protocol's capability
+(``Capabilities.runtimes``);
 these are the refusals that depend on the run's other settings and on the model.
 """
 
@@ -62,19 +63,21 @@ def web_refusal(privacy: PrivacyConfig, compression: CompressionConfig, *,
     Parameters
     ----------
     privacy : PrivacyConfig
-        The device's privacy settings: the runtime neither clips nor noises yet.
+        The device's privacy settings: the runtime releases clipped and noised activations
+        (``activation_gaussian``), not DP-SGD, NoPeek or noised returned gradients.
     compression : CompressionConfig
         The data plane's encodings: the runtime reads and writes dense float32 frames.
     recompute : bool
         Whether the device may be asked to recompute its activations (the runtime's
         memory is TensorFlow.js's own).
     """
-    if privacy.name != "none" or privacy.nopeek_weight or privacy.gradient_noise_multiplier:
-        return (f"{WEB_KEY} with device-side privacy (privacy={privacy.name}, nopeek_weight="
-                f"{privacy.nopeek_weight}, gradient_noise_multiplier="
-                f"{privacy.gradient_noise_multiplier}): the web runtime neither clips, noises "
-                "nor regularises what it sends (use privacy=none; label_epsilon is applied "
-                "before the data reaches the phone)")
+    if privacy.name not in ("none", "activation_gaussian"):
+        return (f"{WEB_KEY} with privacy={privacy.name}: the web runtime has no per-example "
+                "gradients (use privacy=activation_gaussian or none)")
+    if privacy.nopeek_weight or privacy.gradient_noise_multiplier:
+        return (f"{WEB_KEY} with privacy.nopeek_weight={privacy.nopeek_weight}, "
+                f"gradient_noise_multiplier={privacy.gradient_noise_multiplier}: the web runtime "
+                "neither regularises what it sends nor noises the gradient it returns")
     if compression.uplink != "none" or compression.downlink != "none":
         return (f"{WEB_KEY} with dataplane.compression (uplink={compression.uplink!r}, "
                 f"downlink={compression.downlink!r}): the web runtime sends and reads dense "

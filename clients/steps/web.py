@@ -26,6 +26,10 @@ The task (JSON):
     ``id`` (a hash of the rows), ``shape`` and, unless the phone holds that id already
     (the gateway strips them then), ``inputs`` (base64 float32) and ``labels``: the node's
     partition, labels released as :class:`clients.app.ClientRound` releases them.
+``release``
+    Under ``privacy=activation_gaussian``: ``clip_norm`` (C) and ``noise_std`` (sigma x C),
+    what the head's output is released with (each row clipped to C, Gaussian noise added);
+    null otherwise. The whole round is charged by the ClientApp before the task leaves.
 ``batches``
     Each batch's row indices, in the order a Python device of this partition trains them
     (the same sampler), capped at the round's ``max_steps``.
@@ -58,7 +62,8 @@ from clients.device import DeviceFailure
 from clients.relay import PhoneFailed
 from clients.steps.base import ClientStep
 from protocols import Protocol
-from splitlearn.config import RunSpec
+from splitlearn.config import PrivacyConfig, RunSpec
+from splitlearn.privacy import PRIVACY_OPTIONS
 from splitlearn.runtimes import web_refusal
 from splitlearn.web import WebRefusal, describe_stages, device_parts, state_from_web
 
@@ -99,6 +104,14 @@ def web_step_type(protocol: Protocol, spec: RunSpec, *, recompute: bool) -> type
     if refusal is not None:
         raise DeviceFailure(refusal)
     return protocol.client
+
+
+def release_of(privacy: PrivacyConfig) -> dict[str, float] | None:
+    """Return the task's ``release``: the activation mechanism's clip and noise (None: none)."""
+    if not PRIVACY_OPTIONS[privacy.name].protects_activations:
+        return None
+    return {"clip_norm": privacy.clip_norm,
+            "noise_std": privacy.noise_multiplier * privacy.clip_norm}
 
 
 def round_batches(loader: DataLoader, *, epochs: int, max_steps: int | None) -> list[list[int]]:
@@ -144,6 +157,7 @@ def phone_task(step: ClientStep, protocol: Protocol, loader: DataLoader, *, serv
         "data": {"id": digest, "shape": list(images.shape),
                  "inputs": base64.b64encode(rows).decode("ascii"), "labels": label_list},
         "batches": round_batches(loader, epochs=epochs, max_steps=max_steps),
+        "release": release_of(step.spec.privacy),
         "deadline_s": deadline_s, "least_steps": least_steps,
     }
 

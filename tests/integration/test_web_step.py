@@ -27,6 +27,7 @@ from playwright.sync_api import sync_playwright
 from torch import nn
 
 from splitlearn.models import build_model
+from splitlearn.privacy.mechanism import clip_per_sample
 from splitlearn.stages import split
 from splitlearn.web import decode_tensor, describe_stages, encode_tensor, state_from_web
 
@@ -174,3 +175,45 @@ def test_the_runtime_refuses_a_layer_type_it_does_not_know_by_name(page):
     description["layers"][1] = {"type": "GELU", "name": "1", "module": "GELU"}
     with pytest.raises(PlaywrightError, match=r"unsupported layer type 'GELU' at layer 1 \(1\)"):
         page.evaluate("([d, o]) => { splitlearnDevice.load(d, o); }", [description, SGD])
+
+
+def test_a_released_batch_is_clipped_as_pytorch_clips_and_trains_through_the_clip(page):
+    """privacy=activation_gaussian on a phone: each row clipped to C as
+    splitlearn/privacy/mechanism.py clips it, the backward through the clip (no noise here)."""
+    model = build_model("cnn", in_channels=1, image_size=8, num_classes=10, seed=0)
+    bottom = copy.deepcopy(split(model, 2)[0]).train()
+    g = torch.Generator().manual_seed(3)
+    inputs = torch.randn(BATCH, *model.input_shape, generator=g)
+    with torch.no_grad():  # C between the rows' norms: some rows clipped, some not
+        clip = bottom(inputs).flatten(1).norm(dim=1).median().item()
+    page.evaluate("([d, o, r]) => { globalThis.dev?.dispose(); "
+                  "globalThis.dev = splitlearnDevice.load(d, o, r); }",
+                  [describe_stages(bottom, model.input_shape), SGD,
+                   {"clip_norm": clip, "noise_std": 0.0}])
+    web_out = decode_tensor(page.evaluate("x => dev.forward(x)", encode_tensor(inputs)))
+    out = clip_per_sample(bottom(inputs), max_norm=clip)
+    assert relative(web_out, out) < TOLERANCE
+    cut_grad = CUT_GRAD_SCALE * torch.randn(out.shape, generator=g) / BATCH
+    web_grads = page.evaluate("g => dev.backwardFromCutGradient(g)", encode_tensor(cut_grad))
+    torch.autograd.backward(out, cut_grad)
+    for name, param in bottom.named_parameters():
+        assert relative(decode_tensor(web_grads[name]), param.grad) < TOLERANCE, name
+
+
+def test_a_released_batch_carries_fresh_gaussian_noise_of_the_asked_deviation(page):
+    model = build_model("cnn", in_channels=1, image_size=8, num_classes=10, seed=0)
+    bottom = copy.deepcopy(split(model, 2)[0]).train()
+    inputs = torch.randn(BATCH, *model.input_shape, generator=torch.Generator().manual_seed(4))
+    clip, std = 1.0, 0.5
+    page.evaluate("([d, o, r]) => { globalThis.dev?.dispose(); "
+                  "globalThis.dev = splitlearnDevice.load(d, o, r); }",
+                  [describe_stages(bottom, model.input_shape), SGD,
+                   {"clip_norm": clip, "noise_std": std}])
+    clipped = clip_per_sample(bottom(inputs), max_norm=clip).detach()
+    noises = [decode_tensor(page.evaluate("x => dev.forward(x)", encode_tensor(inputs))) - clipped
+              for _ in range(2)]
+    for noise in noises:  # mean 0 and std 0.5, each within 5 standard errors
+        n = noise.numel()
+        assert abs(noise.mean().item()) < 5 * std / n**0.5
+        assert abs(noise.std().item() - std) < 5 * std / (2 * n) ** 0.5
+    assert not torch.equal(noises[0], noises[1])  # fresh noise every release

@@ -32,14 +32,15 @@ WEB = ["devices.web=true", "dataplane.websocket_port=0"]
     (["dataplane.websocket_port=null"], "set dataplane.websocket_port"),
     (["strategy=local_loss"], "strategy=local_loss has another"),
     (["strategy=fedavg"], "strategy=fedavg has another"),
-    (["privacy=activation_gaussian", "privacy.noise_multiplier=0.5"],
-     "privacy=activation_gaussian"),
+    (["privacy=dpsgd_client", "privacy.noise_multiplier=1.0"], "privacy=dpsgd_client"),
     (["privacy.nopeek_weight=0.1"], "nopeek_weight=0.1"),
+    (["strategy=ushaped", "privacy.gradient_noise_multiplier=0.5"],
+     "gradient_noise_multiplier=0.5"),
     (["compression=int8"], "dense float32 frames"),
     (["planner=smartsplit"], "with activation recomputation"),
     (["model=vit"], "model=vit at cut 2: the web runtime cannot run layer 0 (0: PatchEmbedding)"),
-], ids=["no-websocket", "local-loss", "fedavg", "activation-noise", "nopeek", "compression",
-        "recomputing-planner", "unsupported-layer"])
+], ids=["no-websocket", "local-loss", "fedavg", "dpsgd", "nopeek", "gradient-noise",
+        "compression", "recomputing-planner", "unsupported-layer"])
 def test_what_a_phone_cannot_train_is_refused_before_the_run(overrides, message):
     with pytest.raises(ValueError) as err:
         check_config(compose_config([*WEB, *overrides]))
@@ -50,9 +51,9 @@ def test_what_a_phone_cannot_train_is_refused_before_the_run(overrides, message)
 @pytest.mark.parametrize("overrides", [
     [], ["strategy=splitfed_v1"], ["strategy=sglr"], ["strategy=sequential"],
     ["strategy=ushaped"], ["model=lenet5"], ["model=resnet"], ["+privacy.label_epsilon=2.0"],
-    ["planner=dynsl"],
+    ["planner=dynsl"], ["privacy=activation_gaussian", "privacy.noise_multiplier=0.5"],
 ], ids=["splitfed-v2", "splitfed-v1", "sglr", "sequential", "ushaped", "lenet5",
-        "resnet-first-stage", "label-dp", "dynsl"])
+        "resnet-first-stage", "label-dp", "dynsl", "activation-noise"])
 def test_what_a_phone_can_train_is_accepted(overrides):
     check_config(compose_config([*WEB, *overrides]))
 
@@ -65,9 +66,9 @@ def test_a_phones_node_refuses_a_protocol_the_web_runtime_does_not_run(name):
     else:
         with pytest.raises(DeviceFailure, match=f"strategy={name}"):
             web_step_type(protocol, RunSpec(), recompute=False)
-    with pytest.raises(DeviceFailure, match="privacy=activation_gaussian"):
+    with pytest.raises(DeviceFailure, match="privacy=dpsgd_client"):
         web_step_type(protocol_named("splitfed_v2"),
-                      RunSpec(privacy=PrivacyConfig("activation_gaussian", noise_multiplier=1.0)),
+                      RunSpec(privacy=PrivacyConfig("dpsgd_client", noise_multiplier=1.0)),
                       recompute=False)
 
 
@@ -103,6 +104,15 @@ def test_the_task_carries_the_batches_a_python_device_trains_in_its_order():
     parts = task_for(ushaped, uspec, "ushaped")["parts"]
     assert len(parts) == 2 and set(parts[0]["state"]) | set(parts[1]["state"]) == set(
         ushaped.state())
+
+
+def test_the_task_asks_for_the_release_the_privacy_option_makes():
+    step, spec = split_step()
+    assert task_for(step, spec)["release"] is None
+    noisy = RunSpec(privacy=PrivacyConfig("activation_gaussian", clip_norm=2.0,
+                                          noise_multiplier=0.5))
+    step = protocol_named("splitfed_v2").client(digits_like_model(), noisy, cut=2)
+    assert task_for(step, noisy)["release"] == {"clip_norm": 2.0, "noise_std": 1.0}
 
 
 def phone_result(task: dict, *, scale: float = 0.5, **metrics) -> dict:

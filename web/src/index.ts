@@ -1,6 +1,8 @@
 // The bundle's entry: dist/device.js sets globalThis.splitlearnDevice.
 import * as tf from "@tensorflow/tfjs";
-import { DeviceStages, FORMAT, SgdOptions, StagesDescription, SUPPORTED } from "./stages";
+import {
+  DeviceStages, FORMAT, Release, SgdOptions, StagesDescription, SUPPORTED,
+} from "./stages";
 import { trainBatch, trainUShapedBatch } from "./steps";
 import { TrunkRefused, TrunkSocket } from "./trunk";
 import * as wire from "./wire";
@@ -17,8 +19,9 @@ async function setBackend(name: string): Promise<boolean> {
   return ok && tf.getBackend() === name;
 }
 
-function load(description: StagesDescription, sgd: SgdOptions): DeviceStages {
-  return new DeviceStages(description, sgd);
+function load(description: StagesDescription, sgd: SgdOptions,
+              release: Release | null = null): DeviceStages {
+  return new DeviceStages(description, sgd, release);
 }
 
 const api = {

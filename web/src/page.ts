@@ -4,7 +4,7 @@
 // carries JSON (join, tasks, progress, results); the trunk gets its own, binary frames.
 import * as tf from "@tensorflow/tfjs";
 import { encode, Encoded, float32FromBytes, fromBase64 } from "./codec";
-import { DeviceStages, SgdOptions, StagesDescription, State } from "./stages";
+import { DeviceStages, Release, SgdOptions, StagesDescription, State } from "./stages";
 import { trainBatch, trainUShapedBatch } from "./steps";
 import { TrunkRefused, TrunkSocket } from "./trunk";
 
@@ -24,6 +24,7 @@ interface Task {
   trunk: { url: string; token: string; proof: string | null };
   data: { id: string; shape: number[]; inputs?: string; labels?: number[] };
   batches: number[][];
+  release: Release | null;
   deadline_s: number | null;
   least_steps: number;
 }
@@ -105,7 +106,10 @@ function batchOf(held: Data, indices: number[]): { inputs: Encoded; labels: numb
 async function runTask(task: Task): Promise<object> {
   if (task.format !== TASK_FORMAT) throw new Error(`a task of format ${task.format}`);
   const held = takeData(task);
-  const parts = task.parts.map((part) => new DeviceStages(part, task.sgd));
+  // What the head sends is released (clipped and noised) when the task asks; the tail's
+  // gradient goes back as it is (the web runtime refuses gradient noise).
+  const parts = task.parts.map((part, i) => new DeviceStages(part, task.sgd,
+                                                             i === 0 ? task.release : null));
   const [head, tail] = parts;
   const started = performance.now();
   let trunk: TrunkSocket | null = null;

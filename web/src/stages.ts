@@ -34,9 +34,40 @@ export interface SgdOptions {
   weight_decay?: number;
 }
 
+/**
+ * What the device releases instead of raw activations (privacy=activation_gaussian): each
+ * row (example) scaled to an L2 norm of at most ``clip_norm``, plus Gaussian noise of
+ * standard deviation ``noise_std`` (sigma x C) per value, drawn from crypto.getRandomValues.
+ * The backward pass goes through the clipping (the noise is a constant), as in PyTorch.
+ */
+export interface Release {
+  clip_norm: number;
+  noise_std: number;
+}
+
 export interface State {
   tensors: Record<string, Encoded>;
   counters: Record<string, number>;
+}
+
+/** Added to each row's norm before dividing by it (as splitlearn/privacy/mechanism.py does). */
+const NORM_EPS = 1e-6;
+
+/** ``count`` independent N(0, std^2) values from the platform's cryptographic generator. */
+export function gaussian(count: number, std: number): Float32Array {
+  const out = new Float32Array(count);
+  const uniform = new Uint32Array(2 * Math.ceil(count / 2));
+  for (let i = 0; i < uniform.length; i += 16384) { // getRandomValues fills 64 KiB at most
+    crypto.getRandomValues(uniform.subarray(i, Math.min(i + 16384, uniform.length)));
+  }
+  for (let i = 0; i < count; i += 2) { // Box-Muller: two uniforms in (0, 1], two normals
+    const u1 = (uniform[i] + 1) / 4294967296;
+    const u2 = (uniform[i + 1] + 1) / 4294967296;
+    const r = std * Math.sqrt(-2 * Math.log(u1));
+    out[i] = r * Math.cos(2 * Math.PI * u2);
+    if (i + 1 < count) out[i + 1] = r * Math.sin(2 * Math.PI * u2);
+  }
+  return out;
 }
 
 /** The layer types this runtime runs; any other is refused by name. */
@@ -134,8 +165,9 @@ export class DeviceStages {
   private masks = new Map<number, tf.Tensor>();
   private grads: Map<string, tf.Tensor> | null = null;
   private training = true; // the last forward's mode, which its backward recomputes
+  private readonly release: Release | null;
 
-  constructor(description: StagesDescription, sgd: SgdOptions) {
+  constructor(description: StagesDescription, sgd: SgdOptions, release: Release | null = null) {
     if (!description || description.format !== FORMAT) {
       throw new Error(`splitlearn web runtime: expected a description of format ${FORMAT}, ` +
         `got ${JSON.stringify(description && description.format)}`);
@@ -146,6 +178,11 @@ export class DeviceStages {
     this.sgd = {
       lr: sgd.lr, momentum: sgd.momentum ?? 0, weight_decay: sgd.weight_decay ?? 0,
     };
+    if (release && !(release.clip_norm > 0 && release.noise_std >= 0)) {
+      throw new Error(`splitlearn web runtime: a release needs clip_norm > 0 and noise_std >= 0, ` +
+        `got ${JSON.stringify(release)}`);
+    }
+    this.release = release;
     if (!(this.sgd.lr > 0) || this.sgd.momentum < 0 || this.sgd.weight_decay < 0) {
       throw new Error(`splitlearn web runtime: SGD needs lr > 0, momentum >= 0 and ` +
         `weight_decay >= 0, got ${JSON.stringify(sgd)}`);
@@ -357,7 +394,20 @@ export class DeviceStages {
     this.inputs = tf.keep(tf.tensor(decode(inputs), inputs.shape, "float32"));
     this.training = mode === "train";
     const pass: Pass = { training: this.training, updateStats: true, masks: this.masks };
-    return encoded(() => this.run(this.inputs as tf.Tensor, pass));
+    return encoded(() => {
+      const out = this.clipped(this.run(this.inputs as tf.Tensor, pass));
+      if (!this.release || this.release.noise_std === 0) return out;
+      return tf.add(out, tf.tensor(gaussian(out.size, this.release.noise_std), out.shape));
+    });
+  }
+
+  /** Each row of ``out`` scaled to an L2 norm of at most the release's clip (as is without). */
+  private clipped(out: tf.Tensor): tf.Tensor {
+    if (!this.release) return out;
+    const axes = out.shape.map((_, i) => i).slice(1);
+    const norms = tf.sqrt(tf.sum(tf.square(out), axes));
+    const factor = tf.minimum(1, tf.div(this.release.clip_norm, tf.add(norms, NORM_EPS)));
+    return tf.mul(out, tf.reshape(factor, [out.shape[0], ...axes.map(() => 1)]));
   }
 
   /**
@@ -373,7 +423,7 @@ export class DeviceStages {
     const trainables = this.trainables();
     try {
       const { value, grads } = tf.variableGrads(() => {
-        const out = this.run(inputs, pass);
+        const out = this.clipped(this.run(inputs, pass));
         if (out.shape.length !== dy.shape.length || out.shape.some((d, i) => d !== dy.shape[i])) {
           throw new Error(`splitlearn web runtime: cut gradient of shape [${dy.shape}], ` +
             `the output is [${out.shape}]`);
