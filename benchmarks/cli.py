@@ -96,6 +96,12 @@
     rounds) for ``--clients`` phones (1 8 32 64 128), and per training phone in a round
     (its ClientApp, with ``--training`` Chromium pages, 4); see :mod:`benchmarks.gateway`.
 
+``web-step``
+    The web runtime's device step in headless Chromium on each TensorFlow.js backend
+    that starts (``cpu``, ``webgl``, ``webgpu``) against eager PyTorch on one thread, for
+    every model and cut it trains (``--models cnn lenet5 resnet``); see
+    :mod:`benchmarks.web_step`.
+
 Extra arguments are Hydra overrides, e.g. ``strategy.num_rounds=5``.
 """
 
@@ -462,6 +468,15 @@ def bench_gateway_suite(overrides: Sequence[str], *, phones: Sequence[int],
     bench_gateway(phones, training=training, idle_s=20.0)
 
 
+def bench_web_step_suite(overrides: Sequence[str], *, models: Sequence[str] | None) -> None:
+    """Time the web runtime's step against eager PyTorch (:mod:`benchmarks.web_step`)."""
+    from benchmarks.web_step import MODELS, bench_web_step
+
+    if overrides:
+        raise SystemExit("web-step takes no overrides: it times the device step alone")
+    bench_web_step(models or list(MODELS))
+
+
 BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
               "defences": bench_defences_suite,
               "compression": bench_compression_suite, "communication": bench_communication_suite,
@@ -471,7 +486,7 @@ BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
               "executorch-rounds": bench_executorch_rounds_suite, "netns": bench_netns_suite,
               "trunk": bench_trunk_suite, "handoff": bench_handoff_suite,
               "allocator": bench_allocator_suite, "parser": bench_parser_suite,
-              "gateway": bench_gateway_suite}
+              "gateway": bench_gateway_suite, "web-step": bench_web_step_suite}
 
 
 def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -500,7 +515,7 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="planner: only these planners (the uniform cuts always run: "
                         f"{', '.join(PLANNER_METHODS)}); compression: only these options "
                         "(none among them)")
-    parser.add_argument("--models", nargs="+", help="trunk: only these networks")
+    parser.add_argument("--models", nargs="+", help="trunk, web-step: only these networks")
     parser.add_argument("--no-relay", action="store_true",
                         help="netns: no latency relay (the veth's own RTT)")
     args = parser.parse_intermixed_args(argv)
@@ -539,6 +554,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         bench_defences_suite(args.overrides, repeats=args.repeats)
     elif args.name == "trunk":
         bench_trunk_suite(args.overrides, models=args.models)
+    elif args.name == "web-step":
+        bench_web_step_suite(args.overrides, models=args.models)
     elif args.name == "gateway":
         bench_gateway_suite(args.overrides, phones=args.clients or [1, 8, 32, 64, 128],
                             training=args.training)

@@ -209,6 +209,8 @@ class Gateway:
                 self._relay(connection)
         except ConnectionClosed:
             pass
+        except (TimeoutError, ValueError) as err:  # a relay's hello or task: late or not JSON
+            connection.close(1008, f"the relay reads a JSON hello, then a task ({err})"[:120])
 
     # --- phones ---------------------------------------------------------------------
 

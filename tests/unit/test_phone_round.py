@@ -182,3 +182,44 @@ def test_join_tokens_are_the_gateways_own_and_expire():
                    JoinTokens(ttl_s=60).issue(now=1000.0), "", None, 42, "a.b", "x.y.z"]:
         with pytest.raises(JoinRefused, match="not this gateway's"):
             tokens.check(forged, now=1001.0)
+
+
+def test_the_gateway_refuses_strangers_and_serves_only_its_page(tmp_path):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from websockets.exceptions import ConnectionClosedError
+    from websockets.sync.client import connect
+
+    from clients.gateway import Gateway, parse_args
+    from clients.relay import PhoneFailed, delegate
+
+    gateway = Gateway(parse_args(["--superlink", "127.0.0.1:1", "--insecure", "--phones", "1",
+                                  "--port", "0", "--logs", str(tmp_path)]))
+    gateway.start()
+    base = f"127.0.0.1:{gateway.port}"
+    try:
+        for hello, reason in [("garbage", "reads a JSON hello"),
+                              (json.dumps({"slot": 0, "secret": "guess"}), "relay secret"),
+                              (json.dumps({"slot": 7, "secret": gateway.relay_secret}),
+                               "no slot 7")]:
+            with connect(f"ws://{base}/relay") as link:
+                link.send(hello)
+                with pytest.raises(ConnectionClosedError, match=reason):
+                    link.recv(timeout=5)
+        # A ClientApp whose phone is not connected hears so at once (its row: unavailable).
+        with pytest.raises(PhoneFailed, match="no phone holds place 0") as failed:
+            delegate(f"ws://{base}/relay", slot=0, secret=gateway.relay_secret,
+                     task={"data": {}}, timeout_s=5)
+        assert failed.value.kind == "unavailable"
+        with connect(f"ws://{base}/phone") as page:  # a page without a token
+            page.send(json.dumps({"join": "1.2.3"}))
+            with pytest.raises(ConnectionClosedError, match="not this gateway's"):
+                page.recv(timeout=5)
+        assert urllib.request.urlopen(f"http://{base}/").status == 200
+        for path in ("/etc/passwd", "/../web/package.json", "/relay.py"):
+            with pytest.raises(urllib.error.HTTPError, match="404"):
+                urllib.request.urlopen(f"http://{base}{path}")
+    finally:
+        gateway.stop()
