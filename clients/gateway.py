@@ -318,6 +318,11 @@ class Gateway:
             connection.close(1008, f"no slot {index!r}")
             return
         slot = self.slots[index]
+        if slot.phone is None:  # known at once: the ClientApp need not build its task
+            connection.send(json.dumps({"failed": f"no phone holds place {slot.index} now",
+                                        "kind": "unavailable"}))
+            return
+        connection.send(json.dumps({"holds": slot.holds}))
         task = json.loads(connection.recv(timeout=60))
         connection.send(json.dumps(self._hand_over(slot, task)))
 
@@ -333,9 +338,12 @@ class Gateway:
             while not slot.answers.empty():  # a stale answer of a phone that left
                 slot.answers.get_nowait()
         try:
-            if slot.holds == task.get("data", {}).get("id"):
-                task["data"] = {k: v for k, v in task["data"].items()
-                                if k not in ("inputs", "labels")}
+            data = task.get("data", {})
+            if slot.holds == data.get("id"):
+                task["data"] = {k: v for k, v in data.items() if k not in ("inputs", "labels")}
+            elif "inputs" not in data:  # the phone rejoined since the hello, without its data
+                return {"failed": "the phone lost its data since the round started",
+                        "kind": "lost"}
             phone.send(json.dumps({"task": task}))
             answer = slot.answers.get(timeout=self.args.round_timeout)
             if "result" in answer:

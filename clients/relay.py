@@ -9,6 +9,9 @@ slot with the gateway's secret, one task as JSON, then progress and one result o
 
 The gateway's answers, one JSON object per text frame:
 
+``{"holds": id}``
+    The answer to the hello: the id of the data the slot's phone holds (null: none). A
+    task for a phone that holds its data leaves the rows out.
 ``{"progress": {...}}``
     The phone's batches so far (read for the timeout, not needed).
 ``{"result": {...}}``
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from websockets.exceptions import ConnectionClosed
@@ -49,9 +53,9 @@ class PhoneFailed(Exception):
         self.kind = kind
 
 
-def delegate(url: str, *, slot: int, secret: str, task: dict[str, Any],
-             timeout_s: float) -> dict[str, Any]:
-    """Hand ``task`` to the phone of ``slot`` and return its result.
+def delegate(url: str, *, slot: int, secret: str,
+             task: Callable[[str | None], dict[str, Any]], timeout_s: float) -> dict[str, Any]:
+    """Hand the task to the phone of ``slot`` and return its result.
 
     Parameters
     ----------
@@ -59,8 +63,9 @@ def delegate(url: str, *, slot: int, secret: str, task: dict[str, Any],
         The gateway's relay URL (node config :data:`RELAY_KEY`).
     slot, secret : int, str
         The node's slot and the gateway's secret (node config).
-    task : dict
-        What the phone trains (see :mod:`clients.steps.web`).
+    task : callable
+        Builds what the phone trains (see :mod:`clients.steps.web`) from the id of the
+        data the phone holds (None: none), so that rows it holds do not travel again.
     timeout_s : float
         Longest the round may take; then the phone counts as lost.
 
@@ -74,10 +79,12 @@ def delegate(url: str, *, slot: int, secret: str, task: dict[str, Any],
         with connect(url, max_size=MAX_FRAME_BYTES, open_timeout=10,
                      close_timeout=2) as link:
             link.send(json.dumps({"slot": slot, "secret": secret}))
-            link.send(json.dumps(task))
             while True:
                 answer = json.loads(link.recv(timeout=max(deadline - time.monotonic(), 0.0)))
-                if "result" in answer:
+                if "holds" in answer:
+                    held = answer["holds"]
+                    link.send(json.dumps(task(None if held is None else str(held))))
+                elif "result" in answer:
                     return dict(answer["result"])
                 if "failed" in answer:
                     raise PhoneFailed(str(answer["failed"]), str(answer.get("kind", "failed")))

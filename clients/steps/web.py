@@ -23,9 +23,10 @@ The task (JSON):
 ``trunk``
     ``url`` (the trunk's WebSocket service), ``token`` and ``proof`` (base64 or null).
 ``data``
-    ``id`` (a hash of the rows), ``shape`` and, unless the phone holds that id already
-    (the gateway strips them then), ``inputs`` (base64 float32) and ``labels``: the node's
-    partition, labels released as :class:`clients.app.ClientRound` releases them.
+    ``id`` (a hash of the rows and labels), ``shape`` and, unless the phone holds that id
+    already (the gateway says which it holds), ``inputs`` (base64 float32) and ``labels``:
+    the node's partition, labels released as :class:`clients.app.ClientRound` releases
+    them.
 ``release``
     Under ``privacy=activation_gaussian``: ``clip_norm`` (C) and ``noise_std`` (sigma x C),
     what the head's output is released with (each row clipped to C, Gaussian noise added);
@@ -131,8 +132,11 @@ def round_batches(loader: DataLoader, *, epochs: int, max_steps: int | None) -> 
 
 def phone_task(step: ClientStep, protocol: Protocol, loader: DataLoader, *, server_round: int,
                trunk: Mapping[str, Any], epochs: int, max_steps: int | None,
-               deadline_s: float | None = None, least_steps: int = 1) -> dict[str, Any]:
+               deadline_s: float | None = None, least_steps: int = 1,
+               holds: str | None = None) -> dict[str, Any]:
     """Return the task a phone's page trains (the format is the module docstring's).
+
+    The rows and labels are left out when the phone ``holds`` data of the same id.
 
     Raises
     ------
@@ -150,12 +154,14 @@ def phone_task(step: ClientStep, protocol: Protocol, loader: DataLoader, *, serv
     rows = images.detach().to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
     label_list = [int(y) for y in labels]
     digest = hashlib.sha256(rows + repr(label_list).encode()).hexdigest()[:32]
+    data: dict[str, Any] = {"id": digest, "shape": list(images.shape)}
+    if holds != digest:
+        data |= {"inputs": base64.b64encode(rows).decode("ascii"), "labels": label_list}
     return {
         "format": TASK_FORMAT, "round": server_round, "cut": step.cut, "parts": parts,
         "sgd": {"lr": train.lr, "momentum": train.momentum, "weight_decay": train.weight_decay},
         "trunk": dict(trunk),
-        "data": {"id": digest, "shape": list(images.shape),
-                 "inputs": base64.b64encode(rows).decode("ascii"), "labels": label_list},
+        "data": data,
         "batches": round_batches(loader, epochs=epochs, max_steps=max_steps),
         "release": release_of(step.spec.privacy),
         "deadline_s": deadline_s, "least_steps": least_steps,

@@ -108,6 +108,10 @@ def open_phone(chromium, url: str, *, context=None):  # noqa: ANN001, ANN201
     """
     context = context or chromium.new_context(**PHONE)
     page = context.new_page()
+    page.tasks = []  # each task the page got: whether it carried the partition's rows
+    page.on("websocket", lambda socket: socket.on("framereceived", lambda frame: (
+        page.tasks.append('"inputs"' in frame)
+        if isinstance(frame, str) and frame.startswith('{"task"') else None)))
     page.goto(url + "&backend=cpu")
     page.wait_for_function("document.getElementById('backend').textContent !== '-'")
     if page.is_visible("#join"):  # a page that joined before goes on by itself
@@ -194,6 +198,8 @@ def test_phones_train_as_python_devices_leave_mid_round_and_rejoin_as_the_same_n
         assert int(row["bytes_up"]) > int(row["weights_bytes_up"]) > 0  # smashed data, over wss
         assert float(row["compute_s"]) > 0 and float(row["peak_memory_bytes"]) > 0
     assert [phone.inner_text("#round") for phone in phones] == ["3"] * 3
+    # Each phone got its rows with its first task only: it held them after.
+    assert [phone.tasks for phone in phones] == [[True, False, False]] * 3
     # The phones trained their partitions' batches in a Python device's order, with the
     # same arithmetic (within float32): five Python devices train alike.
     reference = python_devices_accuracy(tmp_path, overrides)

@@ -87,7 +87,7 @@ def task_for(step, spec, protocol: str = "splitfed_v2", **kw):  # noqa: ANN001, 
     loader = epoch_loader(digits_data(), spec, server_round=3, partition_id=1)
     return phone_task(step, protocol_named(protocol), loader, server_round=3,
                       trunk={"url": "ws://127.0.0.1:1", "token": "t", "proof": None},
-                      epochs=2, max_steps=kw.get("max_steps"))
+                      epochs=2, max_steps=kw.get("max_steps"), holds=kw.get("holds"))
 
 
 def test_the_task_carries_the_batches_a_python_device_trains_in_its_order():
@@ -98,6 +98,11 @@ def test_the_task_carries_the_batches_a_python_device_trains_in_its_order():
     labels = task["data"]["labels"]
     assert [[labels[i] for i in batch] for batch in task["batches"]] == python
     assert len(task_for(step, spec, max_steps=3)["batches"]) == 3
+    # A phone that holds this partition gets the task without its rows; one that holds
+    # another partition (or none) gets them.
+    held = task_for(step, spec, holds=task["data"]["id"])["data"]
+    assert held == {"id": task["data"]["id"], "shape": [50, 1, 8, 8]}
+    assert "inputs" in task_for(step, spec, holds="another")["data"]
     # The head's stages under the model's own keys; a U-shaped task adds the tail.
     assert set(task["parts"][0]["state"]) == {k for k in step.state() if k[0] in "01"}
     ushaped, uspec = split_step("ushaped")
@@ -211,7 +216,7 @@ def test_the_gateway_refuses_strangers_and_serves_only_its_page(tmp_path):
         # A ClientApp whose phone is not connected hears so at once (its row: unavailable).
         with pytest.raises(PhoneFailed, match="no phone holds place 0") as failed:
             delegate(f"ws://{base}/relay", slot=0, secret=gateway.relay_secret,
-                     task={"data": {}}, timeout_s=5)
+                     task=lambda holds: {"data": {}}, timeout_s=5)
         assert failed.value.kind == "unavailable"
         with connect(f"ws://{base}/phone") as page:  # a page without a token
             page.send(json.dumps({"join": "1.2.3"}))

@@ -1,10 +1,17 @@
 // Tensors cross the boundary as {shape, data}: data is the base64 of the float32
 // values, little-endian, in row-major order of `shape` (PyTorch's layout: NCHW, OIHW).
-// splitlearn/web.py writes and reads the same encoding.
+// splitlearn/web.py writes and reads the same encoding. That is for JSON (the task, a test
+// driving the page); a training batch stays {shape, values} from the data to the frame.
 
 export interface Encoded {
   shape: number[];
   data: string;
+}
+
+/** A tensor's float32 values in row-major order of ``shape`` (PyTorch's layout). */
+export interface Values {
+  shape: number[];
+  values: Float32Array;
 }
 
 export function size(shape: number[]): number {
@@ -40,10 +47,9 @@ export function float32FromBytes(bytes: Uint8Array): Float32Array {
   return values;
 }
 
-/** Values as little-endian float32 bytes. */
+/** Values as little-endian float32 bytes (a view of them where the host is little-endian). */
 export function bytesOfFloat32(values: Float32Array): Uint8Array {
-  if (LITTLE_ENDIAN) return new Uint8Array(values.buffer.slice(values.byteOffset,
-                                                               values.byteOffset + values.byteLength));
+  if (LITTLE_ENDIAN) return new Uint8Array(values.buffer, values.byteOffset, values.byteLength);
   const bytes = new Uint8Array(values.length * 4);
   const view = new DataView(bytes.buffer);
   for (let i = 0; i < values.length; i++) view.setFloat32(i * 4, values[i], true);
@@ -65,4 +71,23 @@ export function decode(encoded: Encoded): Float32Array {
 
 export function encode(shape: number[], values: Float32Array): Encoded {
   return { shape: shape.slice(), data: toBase64(bytesOfFloat32(values)) };
+}
+
+/** ``tensor`` as values: decoded once where it is base64, checked against its shape. */
+export function valuesOf(tensor: Encoded | Values): Values {
+  if (tensor && (tensor as Values).values instanceof Float32Array) {
+    const given = tensor as Values;
+    if (given.values.length !== size(given.shape)) {
+      throw new Error(`splitlearn web runtime: shape [${given.shape}] needs ${size(given.shape)} ` +
+        `values, got ${given.values.length}`);
+    }
+    return given;
+  }
+  const encoded = tensor as Encoded;
+  return { shape: encoded.shape.slice(), values: decode(encoded) };
+}
+
+/** ``values`` encoded for JSON. */
+export function encodeValues(tensor: Values): Encoded {
+  return encode(tensor.shape, tensor.values);
 }

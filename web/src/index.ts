@@ -1,5 +1,6 @@
 // The bundle's entry: dist/device.js sets globalThis.splitlearnDevice.
 import * as tf from "@tensorflow/tfjs";
+import { encodeValues, valuesOf } from "./codec";
 import {
   DeviceStages, FORMAT, Release, SgdOptions, StagesDescription, SUPPORTED,
 } from "./stages";
@@ -29,6 +30,8 @@ const api = {
   SUPPORTED,
   DeviceStages,
   load,
+  values: valuesOf,
+  encode: encodeValues,
   setBackend,
   connect: TrunkSocket.open,
   trainBatch,

@@ -3,7 +3,7 @@
 // asks for against the trunk, and shows what it is doing. One WebSocket to the gateway
 // carries JSON (join, tasks, progress, results); the trunk gets its own, binary frames.
 import * as tf from "@tensorflow/tfjs";
-import { encode, Encoded, float32FromBytes, fromBase64 } from "./codec";
+import { float32FromBytes, fromBase64, Values } from "./codec";
 import { DeviceStages, Release, SgdOptions, StagesDescription, State } from "./stages";
 import { trainBatch, trainUShapedBatch } from "./steps";
 import { TrunkRefused, TrunkSocket } from "./trunk";
@@ -91,14 +91,14 @@ function encodedRows(shape: number[], base64: string): Float32Array {
   return rows;
 }
 
-function batchOf(held: Data, indices: number[]): { inputs: Encoded; labels: number[] } {
+function batchOf(held: Data, indices: number[]): { inputs: Values; labels: number[] } {
   const sample = held.shape.slice(1).reduce((a, b) => a * b, 1);
   const values = new Float32Array(indices.length * sample);
   indices.forEach((row, i) => {
     if (!(row >= 0 && row < held.labels.length)) throw new Error(`row ${row} is not in the data`);
     values.set(held.rows.subarray(row * sample, (row + 1) * sample), i * sample);
   });
-  return { inputs: encode([indices.length, ...held.shape.slice(1)], values),
+  return { inputs: { shape: [indices.length, ...held.shape.slice(1)], values },
            labels: indices.map((row) => held.labels[row]) };
 }
 

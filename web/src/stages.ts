@@ -7,7 +7,7 @@
 // Flatten goes back to NCHW first, so its order is PyTorch's.
 
 import * as tf from "@tensorflow/tfjs";
-import { decode, encode, Encoded } from "./codec";
+import { decode, Encoded, encodeValues, Values, valuesOf } from "./codec";
 
 export const FORMAT = "splitlearn.web.stages/1";
 
@@ -143,14 +143,19 @@ function conv2d(x: tf.Tensor4D, w: tf.Tensor4D, strides: [number, number]): tf.T
   return op(x, w) as tf.Tensor4D;
 }
 
-/** The tensor ``make`` returns (in a tidy scope), encoded, then disposed. */
-function encoded(make: () => tf.Tensor): Encoded {
+/** The tensor ``make`` returns (in a tidy scope), as values, then disposed. */
+function valuesFrom(make: () => tf.Tensor): Values {
   const tensor = tf.tidy(make);
   try {
-    return encode(tensor.shape, tensor.dataSync() as Float32Array);
+    return { shape: tensor.shape.slice(), values: tensor.dataSync() as Float32Array };
   } finally {
     tensor.dispose();
   }
+}
+
+/** The tensor ``make`` returns, encoded for JSON. */
+function encoded(make: () => tf.Tensor): Encoded {
+  return encodeValues(valuesFrom(make));
 }
 
 export class DeviceStages {
@@ -379,22 +384,27 @@ export class DeviceStages {
     }
   }
 
+  /** forwardValues for JSON: the batch and the activations base64-encoded. */
+  forward(inputs: Encoded | Values, mode: "train" | "eval" = "train"): Encoded {
+    return encodeValues(this.forwardValues(valuesOf(inputs), mode));
+  }
+
   /**
    * Run the stages on a batch (NCHW) as torch does in `mode` ("train": batch statistics,
    * running statistics updated, dropout on; "eval": neither), and keep the batch for the
    * backward pass. Returns the activations at the cut, in PyTorch's layout.
    */
-  forward(inputs: Encoded, mode: "train" | "eval" = "train"): Encoded {
+  forwardValues(inputs: Values, mode: "train" | "eval" = "train"): Values {
     this.check(inputs.shape, "inputs");
     this.inputs?.dispose();
     this.masks.forEach((m) => m.dispose());
     this.masks = new Map();
     this.grads?.forEach((g) => g.dispose());
     this.grads = null;
-    this.inputs = tf.keep(tf.tensor(decode(inputs), inputs.shape, "float32"));
+    this.inputs = tf.keep(tf.tensor(inputs.values, inputs.shape, "float32"));
     this.training = mode === "train";
     const pass: Pass = { training: this.training, updateStats: true, masks: this.masks };
-    return encoded(() => {
+    return valuesFrom(() => {
       const out = this.clipped(this.run(this.inputs as tf.Tensor, pass));
       if (!this.release || this.release.noise_std === 0) return out;
       return tf.add(out, tf.tensor(gaussian(out.size, this.release.noise_std), out.shape));
@@ -411,14 +421,26 @@ export class DeviceStages {
   }
 
   /**
-   * The gradient of every parameter, from the gradient at the cut of the last forward's
-   * output (PyTorch's layout), as torch.autograd.backward(output, grad) gives it. The
-   * forward is recomputed (same batch, same dropout masks, running statistics left).
+   * backward, then every parameter's gradient in PyTorch's layout, encoded by state-dict
+   * key (what a test compares with torch; training needs only backward).
    */
-  backwardFromCutGradient(grad: Encoded): Record<string, Encoded> {
+  backwardFromCutGradient(grad: Encoded | Values): Record<string, Encoded> {
+    this.backward(valuesOf(grad));
+    const result: Record<string, Encoded> = {};
+    for (const p of this.trainables()) result[p.key] = this.toTorch(p, this.grads?.get(p.key) as tf.Tensor);
+    return result;
+  }
+
+  /**
+   * The gradient of every parameter, from the gradient at the cut of the last forward's
+   * output (PyTorch's layout), as torch.autograd.backward(output, grad) gives it, kept for
+   * step(). The forward is recomputed (same batch, same dropout masks, running statistics
+   * left).
+   */
+  backward(grad: Values): void {
     if (!this.inputs) throw new Error("splitlearn web runtime: backward before forward");
     const inputs = this.inputs;
-    const dy = tf.tensor(decode(grad), grad.shape, "float32");
+    const dy = tf.tensor(grad.values, grad.shape, "float32");
     const pass: Pass = { training: this.training, updateStats: false, masks: this.masks };
     const trainables = this.trainables();
     try {
@@ -432,14 +454,7 @@ export class DeviceStages {
       }, trainables.map((p) => p.variable));
       value.dispose();
       this.grads?.forEach((g) => g.dispose());
-      this.grads = new Map();
-      const result: Record<string, Encoded> = {};
-      for (const p of trainables) {
-        const g = grads[p.variable.name];
-        this.grads.set(p.key, g);
-        result[p.key] = this.toTorch(p, g);
-      }
-      return result;
+      this.grads = new Map(trainables.map((p) => [p.key, grads[p.variable.name]]));
     } finally {
       dy.dispose();
     }
@@ -450,9 +465,9 @@ export class DeviceStages {
    * against ``labels``, as nn.functional.cross_entropy gives it; every parameter's gradient
    * of that loss (kept for step()) and its gradient with respect to the forward's inputs,
    * in PyTorch's layout (what the device returns to the trunk). The forward is recomputed,
-   * as in backwardFromCutGradient.
+   * as in backward.
    */
-  lossBackward(labels: ArrayLike<number>): { loss: number; correct: number; inputGrad: Encoded } {
+  lossBackward(labels: ArrayLike<number>): { loss: number; correct: number; inputGrad: Values } {
     if (!this.inputs) throw new Error("splitlearn web runtime: backward before forward");
     const pass: Pass = { training: this.training, updateStats: false, masks: this.masks };
     const trainables = this.trainables();
@@ -478,7 +493,7 @@ export class DeviceStages {
       this.grads?.forEach((g) => g.dispose());
       this.grads = new Map(trainables.map((p) => [p.key, grads[p.variable.name]]));
       const dx = grads[x.name];
-      const inputGrad = encode(dx.shape, dx.dataSync() as Float32Array);
+      const inputGrad = { shape: dx.shape.slice(), values: dx.dataSync() as Float32Array };
       dx.dispose();
       return { loss, correct, inputGrad };
     } finally {
@@ -514,9 +529,9 @@ export class DeviceStages {
   }
 
   /** One split step: forward, backward from the cut gradient, SGD step. */
-  trainStep(inputs: Encoded, grad: Encoded): Encoded {
+  trainStep(inputs: Encoded | Values, grad: Encoded | Values): Encoded {
     const out = this.forward(inputs, "train");
-    this.backwardFromCutGradient(grad);
+    this.backward(valuesOf(grad));
     this.step();
     return out;
   }

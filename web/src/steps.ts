@@ -1,5 +1,5 @@
 // One training batch of each device step the web runtime runs, against the trunk.
-import { Encoded } from "./codec";
+import { Encoded, Values, valuesOf } from "./codec";
 import { DeviceStages } from "./stages";
 import { TrunkSocket } from "./trunk";
 
@@ -7,11 +7,12 @@ import { TrunkSocket } from "./trunk";
  * One split step against the trunk: the stages' forward, the activations and labels to the
  * trunk, its gradient at the cut back through the stages, the SGD step.
  */
-export async function trainBatch(stages: DeviceStages, trunk: TrunkSocket, inputs: Encoded,
-                          labels: number[]): Promise<{ loss: number; correct: number }> {
-  const activations = stages.forward(inputs, "train");
+export async function trainBatch(stages: DeviceStages, trunk: TrunkSocket,
+                                 inputs: Encoded | Values, labels: number[]
+                                 ): Promise<{ loss: number; correct: number }> {
+  const activations = stages.forwardValues(valuesOf(inputs), "train");
   const { grad, loss, correct } = await trunk.forward(activations, labels);
-  stages.backwardFromCutGradient(grad);
+  stages.backward(grad);
   stages.step();
   return { loss, correct };
 }
@@ -23,12 +24,12 @@ export async function trainBatch(stages: DeviceStages, trunk: TrunkSocket, input
  * SGD steps (one optimiser over head and tail, as the Python device has).
  */
 export async function trainUShapedBatch(head: DeviceStages, tail: DeviceStages, trunk: TrunkSocket,
-                                 inputs: Encoded, labels: number[]
+                                 inputs: Encoded | Values, labels: number[]
                                  ): Promise<{ loss: number; correct: number }> {
-  const features = await trunk.forwardFeatures(head.forward(inputs, "train"));
-  tail.forward(features, "train");
+  const features = await trunk.forwardFeatures(head.forwardValues(valuesOf(inputs), "train"));
+  tail.forwardValues(features, "train");
   const { loss, correct, inputGrad } = tail.lossBackward(labels);
-  head.backwardFromCutGradient(await trunk.backward(inputGrad));
+  head.backward(await trunk.backward(inputGrad));
   head.step();
   tail.step();
   return { loss, correct };

@@ -1,8 +1,9 @@
 // A web device's session with the trunk: the WebSocket service of
 // splitlearn/dataplane/websocket.py, the same trunk.proto frames as the gRPC stream.
-import { Encoded, fromBase64, toBase64 } from "./codec";
+import { Values } from "./codec";
 import {
-  backwardRequest, checkFloat32, DType, forwardRequest, int64Tensor, readReply, Reply, Tensor,
+  backwardRequest, float32Tensor, float32Values, forwardRequest, int64Tensor, readReply, Reply,
+  Tensor,
 } from "./wire";
 
 /** The trunk refused a frame (nothing changed there); ``reason`` is trunk.proto's name. */
@@ -12,14 +13,13 @@ export class TrunkRefused extends Error {
   }
 }
 
-/** The runtime's tensors (float32 little-endian, base64) are a FLOAT32 tensor's bytes. */
-export function tensorOf(encoded: Encoded): Tensor {
-  return { dtype: DType.FLOAT32, shape: encoded.shape.slice(), data: fromBase64(encoded.data) };
+/** A FLOAT32 tensor's values (checked against its shape), in the runtime's form. */
+export function valuesOfTensor(tensor: Tensor): Values {
+  return { shape: tensor.shape.slice(), values: float32Values(tensor) };
 }
 
-export function encodedOf(tensor: Tensor): Encoded {
-  checkFloat32(tensor);
-  return { shape: tensor.shape.slice(), data: toBase64(tensor.data) };
+function tensorOf(tensor: Values): Tensor {
+  return float32Tensor(tensor.shape, tensor.values);
 }
 
 /** The reply's tensor, when it is of ``kind``; a refusal throws TrunkRefused. */
@@ -130,27 +130,27 @@ export class TrunkSocket {
   }
 
   /** The split step's exchange: activations and labels up, the gradient at the cut down. */
-  async forward(activations: Encoded, labels: ArrayLike<number>
-                ): Promise<{ grad: Encoded; loss: number; correct: number }> {
+  async forward(activations: Values, labels: ArrayLike<number>
+                ): Promise<{ grad: Values; loss: number; correct: number }> {
     const reply = await this.call(forwardRequest(this.nextSeq(), tensorOf(activations),
                                                  int64Tensor(labels)));
     if (reply.kind === "refusal") throw new TrunkRefused(reply.reason ?? "", reply.detail ?? "");
     if (reply.kind !== "gradient" || !reply.tensor) {
       throw new Error(`splitlearn trunk: a '${reply.kind}' reply to a forward`);
     }
-    return { grad: encodedOf(reply.tensor), loss: reply.loss ?? 0, correct: reply.correct ?? 0 };
+    return { grad: valuesOfTensor(reply.tensor), loss: reply.loss ?? 0, correct: reply.correct ?? 0 };
   }
 
   /** U-shaped: the activations up (no labels), the trunk's features at the tail cut down. */
-  async forwardFeatures(activations: Encoded): Promise<Encoded> {
+  async forwardFeatures(activations: Values): Promise<Values> {
     const reply = await this.call(forwardRequest(this.nextSeq(), tensorOf(activations), null));
-    return encodedOf(expect(reply, "features"));
+    return valuesOfTensor(expect(reply, "features"));
   }
 
   /** U-shaped: d loss / d features up, the gradient at the cut down. */
-  async backward(grad: Encoded): Promise<Encoded> {
+  async backward(grad: Values): Promise<Values> {
     const reply = await this.call(backwardRequest(this.nextSeq(), tensorOf(grad)));
-    return encodedOf(expect(reply, "gradient"));
+    return valuesOfTensor(expect(reply, "gradient"));
   }
 
   close(): void {
