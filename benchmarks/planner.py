@@ -69,6 +69,7 @@ class RunResult:
     curve: tuple[tuple[float, float], ...] = ()  # (virtual time, test accuracy) per round
     rounds: int = 0
     accuracy_at_budget: float = math.nan  # mean of the last evaluations by the time budget
+    plan_errors: tuple[float, ...] = ()  # per planned round: predicted / clock - 1
 
 
 def time_to_target(history: Sequence[dict], target: float) -> float:
@@ -107,6 +108,7 @@ def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
         max((float(r.get("memory_over_budget", 0.0)) for r in history), default=0.0),
         tuple((float(r["virtual_time_s"]), float(r["test_accuracy"])) for r in history),
         rounds=int(final["round"]),
+        plan_errors=tuple(float(r["plan_error"]) for r in history if "plan_error" in r),
     )
 
 
@@ -175,8 +177,22 @@ def summarise(results: Sequence[RunResult], cuts: Sequence[int]) -> dict:
             "selection_vs_random_at_equal_time": {
                 m: at_time[m] for m in ("smartsplit", RANDOM_SELECTION) if m in at_time},
             "max_memory_over_budget": max(r.max_memory_over_budget for r in mine),
+            # How well each planner's cost model predicted the rounds the clock charged.
+            "plan_error": {m: summary for m in methods
+                           if (summary := plan_error_summary(
+                               [r for r in mine if r.method == m]))},
         }
     return summary
+
+
+def plan_error_summary(results: Sequence[RunResult]) -> dict[str, float]:
+    """Median and worst relative error of the predicted round against the clock's."""
+    errors = [abs(e) for r in results for e in r.plan_errors]
+    if not errors:
+        return {}
+    signed = [e for r in results for e in r.plan_errors]
+    return {"median_abs": statistics.median(errors), "worst_abs": max(errors),
+            "median_signed": statistics.median(signed), "rounds": len(errors)}
 
 
 def reduction(mine: float, other: float | None) -> float | None:
@@ -310,11 +326,12 @@ def bench_planner(overrides: Sequence[str], *, seeds: int = 3, target: float = 0
 
 def write_rows(results: Sequence[RunResult], path: Path) -> None:
     """One CSV row per run."""
-    rows = [{k: v for k, v in asdict(r).items() if k != "curve"} for r in results]
+    rows = [{k: v for k, v in asdict(r).items() if k not in ("curve", "plan_errors")}
+            for r in results]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    curves = [{"scenario": r.scenario, "seed": r.seed, "method": r.method, "curve": r.curve}
-              for r in results]
+    curves = [{"scenario": r.scenario, "seed": r.seed, "method": r.method, "curve": r.curve,
+               "plan_errors": r.plan_errors} for r in results]
     path.with_name("curves.json").write_text(json.dumps(curves))

@@ -43,6 +43,7 @@ from server.checkpoint import (
     restore_random_states,
     save_checkpoint,
 )
+from server.clock import device_rounds
 from server.guard import reference_rows
 from server.trunk import Trunk
 from server.workers import (
@@ -53,7 +54,7 @@ from server.workers import (
     set_up_trunk_process,
 )
 from splitlearn.aux_head import without_aux
-from splitlearn.calibration import cut_costs, measure_host_flops_per_s
+from splitlearn.calibration import cut_costs, measure_host_flops_per_s, measure_trunk_step_s
 from splitlearn.config import (
     CompressionConfig,
     PlannerConfig,
@@ -74,9 +75,17 @@ from splitlearn.evaluation import evaluate_model, intra_op_threads, usable_cores
 from splitlearn.messages import UPDATE_WEIGHT_KEY, record_to_state, state_to_record
 from splitlearn.models import SplittableModel
 from splitlearn.models.factory import source_module
-from splitlearn.planning.clock import VirtualClock, round_time
-from splitlearn.planning.cost import CutCost, with_compression, with_kept_samples
+from splitlearn.planning.clock import VirtualClock
+from splitlearn.planning.cost import CutCost, Plan, with_compression, with_kept_samples
 from splitlearn.planning.devices import DeviceProfile, build_fleet
+from splitlearn.planning.queue import (
+    TrunkOf,
+    dealt,
+    own,
+    round_seconds,
+    sequential_round_seconds,
+    shared,
+)
 from splitlearn.privacy import GaussianActivationMechanism, with_release_at_cut
 from splitlearn.stages import load_bottom_state
 from splitlearn.tracking import CompositeSink, make_sinks
@@ -185,15 +194,14 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
     config["devices"]["host_flops_per_s"] = spec.devices.host_flops_per_s  # as measured
     config["devices"]["host_flops_by_cut"] = dict(spec.devices.host_flops_by_cut)
     sinks.log_config(config)
-    planning = make_planning(cfg, trunk, host_flops_per_s=spec.devices.host_flops_per_s or 0.0)
+    planning = make_planning(cfg, trunk)
     return SplitRuntime(
         cfg, protocol, spec, run_dir, trunk, handler, tokens, endpoint, service, sinks, fleet,
         planning, resumed, workers, websocket,
     )
 
 
-def make_planning(cfg: DictConfig, trunk: Trunk, *, host_flops_per_s: float
-                  ) -> CutPlanning | None:
+def make_planning(cfg: DictConfig, trunk: Trunk) -> CutPlanning | None:
     """Build the planner's server side for an adaptive ``planner``, with the cut table."""
     settings: PlannerConfig = to_object(cfg.planner)
     if not settings.adaptive:
@@ -227,11 +235,14 @@ def make_planning(cfg: DictConfig, trunk: Trunk, *, host_flops_per_s: float
         planner=planner, costs=costs, trunk_busy_s=lambda: trunk.busy_s,
         prior=prior_state(settings, batch_size=cfg.strategy.batch_size,
                           epochs=cfg.strategy.local_epochs),
-        smoothing=settings.smoothing,
-        # Until the trunk is measured (after round 1): about this host's speed.
-        trunk_flops_per_s=host_flops_per_s or measure_host_flops_per_s(
-            trunk.model, cfg.model.cut, batch_size=cfg.strategy.batch_size,
-            threads=cfg.engine.torch_threads, min_seconds=0.1),
+        smoothing=settings.smoothing, trunk_of=trunk_of_run(cfg),
+        # The trunk's step at every cut, measured here: the shape of its cost over cuts
+        # until the rounds measure it in place.
+        trunk_steps=[(1.0, cfg.strategy.batch_size * c.server_flops_per_sample,
+                      measure_trunk_step_s(trunk.model, c.cut, end=tail_cut,
+                                           batch_size=cfg.strategy.batch_size,
+                                           threads=cfg.engine.torch_threads))
+                     for c in costs],
     )
 
 
@@ -347,14 +358,43 @@ def memory_usage(rows: list[dict[str, Any]]) -> float:
 REFERENCE_ROWS = 256
 
 
+def trunk_of_run(cfg: DictConfig) -> TrunkOf:
+    """Return which trunk serves each device in this run (the clock's queues)."""
+    if protocol_named(cfg.strategy.name).capabilities.trunk == "per_device":
+        return own
+    workers = cfg.dataplane.trunk_workers
+    return dealt(workers) if workers > 1 else shared
+
+
+def planned_vs_clock(plan: Plan, clock: dict[str, float], finished_s: float | None
+                     ) -> dict[str, float]:
+    """Return the plan's predicted round beside what the clock charged (``clock``'s keys).
+
+    ``planned_round_s`` is the round predicted as the clock charges it (played out at the
+    trunk), ``planned_makespan_s`` the planner's objective (the slowest client's own round
+    plus all trunk work, an upper bound) with its parts. ``finished_s`` is the same
+    prediction for the devices that finished (the clock plays out only those), and
+    ``plan_error`` = ``finished_s`` / charged - 1 (0.1: the plan said 10% longer).
+    """
+    predicted = plan.makespan_s if plan.round_s is None else plan.round_s
+    planned = {"planned_round_s": predicted, "planned_makespan_s": plan.makespan_s,
+               "planned_slowest_client_s": plan.slowest_client_s,
+               "planned_trunk_s": plan.trunk_s}
+    if finished_s is not None:
+        planned["planned_finished_round_s"] = finished_s
+        if clock.get("virtual_round_s", 0.0) > 0 and finished_s > 0:
+            planned["plan_error"] = finished_s / clock["virtual_round_s"] - 1.0
+    return planned
+
+
 class RoundReporter:
     """Reports each round: the strategy's ``on_round`` outcome, then Flower's ``evaluate_fn``.
 
     Called by ``Strategy.start`` before round 1 (round 0) and after each round, it
     evaluates the aggregated client side joined with the current trunk on the
     held-out test split, merges the round's outcome, advances the virtual clock
-    (slowest finished client plus the trunk's busy time), writes everything to
-    every sink and updates the progress bar.
+    (the finished devices' rounds played out at the trunk: :mod:`server.clock`), writes
+    everything to every sink and updates the progress bar.
     """
 
     def __init__(self, runtime: SplitRuntime) -> None:
@@ -369,6 +409,12 @@ class RoundReporter:
         self._outcomes: dict[int, RoundOutcome] = {}
         self._round_ends: list[float] = []
         self._trunk_busy_seen = 0.0
+        self._trunk_of = trunk_of_run(cfg)
+        # Devices wait for the trunk's answer to each batch, except those that only send.
+        self._waits = protocol_named(cfg.strategy.name).client.exchanges_per_batch > 0
+        planning = runtime.planning
+        self._trunk_flops = ({c: cost.server_flops_per_sample for c, cost in planning.costs.items()}
+                             if planning is not None else None)
         #: Called with (round, arrays) once a round is recorded (the run's checkpoint).
         self.after_round: Callable[[int, ArrayRecord], None] | None = None
         self.progress = tqdm(total=cfg.strategy.num_rounds, unit="round", desc="training",
@@ -420,7 +466,9 @@ class RoundReporter:
             metrics["memory_over_budget"] = usage  # measured peak / budget, worst client
         planning = self.runtime.planning
         if planning is not None and (plan := planning.plans.get(server_round)) is not None:
-            metrics["planned_round_s"] = plan.makespan_s  # the planner's prediction, vs the clock
+            finished = {str(r["node_id"]) for r in rows if r["status"] == "ok"}
+            metrics |= planned_vs_clock(plan, metrics, planning.predicted_round_s(
+                server_round, finished))
         if self.runtime.spec.privacy.accounted:
             reported = [float(r["epsilon"]) for r in rows if "epsilon" in r]
             self.epsilon = max([self.epsilon, *reported])  # the worst-off client, monotone
@@ -541,10 +589,15 @@ class RoundReporter:
         busy = self.runtime.trunk.busy_s
         trunk_s, self._trunk_busy_seen = busy - self._trunk_busy_seen, busy
         finished = [float(r["virtual_s"]) for r in rows if r["status"] == "ok"]
+        played = device_rounds(rows, trunk_s=trunk_s, trunk_flops=self._trunk_flops,
+                               trunk_of=self._trunk_of, waits=self._waits)
         sequential = outcome is not None and not outcome.parallel
-        seconds = round_time(finished, trunk_s=trunk_s, sequential=sequential) if rows else 0.0
-        return {"trunk_s": trunk_s, "virtual_round_s": seconds,
-                "virtual_time_s": self.clock.advance(seconds)}
+        if not played:  # nobody finished: the trunk's work is what the round is known to cost
+            seconds = trunk_s if rows else 0.0
+        else:
+            seconds = (sequential_round_seconds if sequential else round_seconds)(played)
+        return {"trunk_s": trunk_s, "slowest_client_s": max(finished, default=0.0),
+                "virtual_round_s": seconds, "virtual_time_s": self.clock.advance(seconds)}
 
     def close(self) -> None:
         """Close the progress bar."""

@@ -377,6 +377,49 @@ def measure_host_flops_per_s(
     return flops_per_step / statistics.median(step_s)
 
 
+def measure_trunk_step_s(
+    model: SplittableModel,
+    cut: int,
+    *,
+    batch_size: int,
+    end: int | None = None,
+    threads: int = 1,
+    min_seconds: float = 0.05,
+) -> float:
+    """Median seconds of one trunk training step of stages ``[cut, end)`` on this host.
+
+    The step a trunk takes for one batch: forward, a loss, backward to its weights and to
+    the activations it was sent (their gradient goes back), a plain SGD update. Noise
+    as input; ``model`` is not modified. What the step costs beyond its FLOPs (at a deep
+    cut, most of it) is what the planner's trunk model learns from these.
+    """
+    import copy
+
+    stages = nn.Sequential(*copy.deepcopy(model.stages[_checked_cut(model, cut):end]))
+    inputs = torch.rand(batch_size, *model.cut_shape(cut), requires_grad=True)
+    params = [p for p in stages.parameters() if p.requires_grad]
+
+    def step() -> None:
+        out = stages(inputs)
+        out.float().square().mean().backward()
+        with torch.no_grad():
+            for param in params:
+                if param.grad is not None:
+                    param.add_(param.grad, alpha=-1e-6)
+                    param.grad = None
+        inputs.grad = None
+
+    with intra_op_threads(threads):
+        step()  # warm-up: allocator, kernels
+        step_s: list[float] = []
+        started = time.perf_counter()
+        while time.perf_counter() - started < min_seconds or len(step_s) < 3:
+            begun = time.perf_counter()
+            step()
+            step_s.append(time.perf_counter() - begun)
+    return statistics.median(step_s)
+
+
 def _train_step(bottom: nn.Module, inputs: torch.Tensor) -> None:
     out = bottom(inputs)
     out.backward(torch.ones_like(out))

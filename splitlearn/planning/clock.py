@@ -3,14 +3,13 @@
 Clients measure what they really did here (compute seconds, bytes, exchanges);
 the clock rescales compute by the device's speed relative to this host and adds
 the link: ``compute * host_flops / device_flops + up / uplink + down / downlink
-+ exchanges * rtt``. A round lasts as long as its slowest client plus the
-trunk's own busy time (the shared trunk serialises its steps). Pure Python:
-real deployments feed the same functions with their own measurements.
++ exchanges * rtt``. A round is those devices played out batch by batch at the
+trunk (:mod:`splitlearn.planning.queue`). Pure Python: real deployments feed the
+same functions with their own measurements.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from splitlearn.planning.devices import DeviceProfile
@@ -79,19 +78,6 @@ def client_time(
         download_s=work.bytes_down / device.downlink_bytes_per_s,
         latency_s=work.exchanges * device.rtt_s,
     )
-
-
-def round_time(
-    client_seconds: Iterable[float], *, trunk_s: float, sequential: bool = False
-) -> float:
-    """Virtual length of a round: the slowest client plus the trunk's busy time.
-
-    With ``sequential=True`` (clients take turns, as in vanilla split learning)
-    the clients' times add up instead.
-    """
-    seconds = list(client_seconds)
-    clients = sum(seconds) if sequential else max(seconds, default=0.0)
-    return clients + trunk_s
 
 
 class VirtualClock:

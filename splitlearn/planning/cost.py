@@ -14,7 +14,10 @@ needs, in the virtual clock's terms (``splitlearn.planning.clock``)::
            + b_i * e(c) * rtt_i                     # e round trips per batch (1; U-shaped 2)
            + params(c) / down_i + params(c) / up_i  # its stages' weights, there and back
 
-and the trunk ``W_i(c) = s_i * flops_server(c) / F_trunk``. A shared trunk
+and the trunk ``W_i(c) = b_i * t_batch(c) + s_i * flops_server(c) / F_trunk``: a fixed
+cost per batch (decoding, checks, the step's own overhead, which is most of a step at a
+deep cut) and its FLOPs, both measured (:func:`splitlearn.planning.monitor.fit_trunk`).
+A shared trunk
 serialises its steps, so a round lasts ``max_i T_i(c_i) + sum_i W_i(c_i)``
 (the same model the virtual clock charges); a trunk per client in parallel
 gives ``max_i (T_i(c_i) + W_i(c_i))``.
@@ -23,10 +26,11 @@ gives ``max_i (T_i(c_i) + W_i(c_i))``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from splitlearn.communication import encoded_row_bytes
+from splitlearn.planning.queue import DeviceRound, TrunkOf, round_seconds, shared
 
 #: Backward costs about twice the forward: training = 3 forwards.
 TRAIN_TO_FORWARD_FLOPS = 3
@@ -75,6 +79,9 @@ class CutCost:
         until the trunk's ack, or ``math.inf``, all of them, for the Flower reply).
     kept_bytes_per_sample : int
         What one kept sample takes: a float32 row at the cut and an int64 label.
+    trunk_batch_s : float
+        The trunk's fixed seconds per batch at this cut, besides its FLOPs (measured;
+        0: FLOPs only).
     """
 
     cut: int
@@ -92,6 +99,7 @@ class CutCost:
     reference_bytes_per_example: int = 0
     kept_samples: float = 0
     kept_bytes_per_sample: int = 0
+    trunk_batch_s: float = 0.0
 
 
 def with_compression(cost: CutCost, *, uplink: str, downlink: str, topk_fraction: float = 0.1,
@@ -177,6 +185,10 @@ class Assignment:
     its next batch would end after that many seconds of its round, at least
     ``least_work`` of its round and at most all of it; ``steps`` is then what the
     plan predicts it trains.
+
+    ``client_s`` and ``trunk_s`` are the cost model's prediction of the client's own
+    seconds (``T``) and the trunk's for it (``W``), which the round's metrics compare
+    with the clock's.
     """
 
     client: str
@@ -185,6 +197,8 @@ class Assignment:
     steps: int | None = None
     deadline_s: float | None = None
     least_work: float = 1.0
+    client_s: float = 0.0
+    trunk_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -199,15 +213,30 @@ class Plan:
         Predicted round length under the cost model.
     excluded : dict[str, str]
         Clients left out, with the reason (no cut fits its memory, not selected).
+    round_s : float | None
+        The round predicted by playing it out at the trunk
+        (:func:`predicted_round_s`), which the clock charges the same way; None: not
+        predicted. ``makespan_s`` is the planners' objective, an upper bound of it.
     """
 
     assignments: tuple[Assignment, ...]
     makespan_s: float
     excluded: dict[str, str] = field(default_factory=dict)
+    round_s: float | None = None
 
     def cut_of(self, client: str) -> int | None:
         """Return ``client``'s cut, or None when it does not take part."""
         return next((a.cut for a in self.assignments if a.client == client), None)
+
+    @property
+    def slowest_client_s(self) -> float:
+        """The predicted seconds of the slowest taking-part client's own round."""
+        return max((a.client_s for a in self.assignments), default=0.0)
+
+    @property
+    def trunk_s(self) -> float:
+        """The predicted seconds of trunk work for all taking-part clients together."""
+        return sum(a.trunk_s for a in self.assignments)
 
 
 def client_seconds(client: ClientState, cost: CutCost, *, recompute: bool = False) -> float:
@@ -226,9 +255,66 @@ def client_seconds(client: ClientState, cost: CutCost, *, recompute: bool = Fals
     )
 
 
+def device_round(client: ClientState, cost: CutCost, *, trunk_flops_per_s: float,
+                 recompute: bool = False, steps: int | None = None,
+                 trunk: int | str = 0) -> DeviceRound:
+    """Return the client's round at ``cost.cut`` as its trunk's queue sees it (predicted).
+
+    The parts of :func:`client_seconds` by when they happen: its weights down before its
+    first batch and up after its last; per batch, a third of its compute (the forward),
+    the activations up and half its round trips before the trunk's step, the rest after
+    it. ``steps`` batches (None: all of its round).
+    """
+    per_batch = client.samples / max(client.batches, 1)
+    forward = cost.client_flops_per_sample / TRAIN_TO_FORWARD_FLOPS
+    flops = cost.client_flops_per_sample + (cost.recompute_flops_per_sample if recompute else 0.0)
+    gradient = cost.gradient_bytes_per_sample
+    gradient_bytes = ((cost.smashed_bytes_per_sample if gradient is None else gradient)
+                      if cost.returns_gradient else 0)
+    rtt = cost.exchanges_per_batch * client.rtt_s / 2
+    return DeviceRound(
+        client.batches if steps is None else steps,
+        before_s=cost.client_param_bytes / client.downlink_bytes_per_s,
+        up_s=per_batch * (forward / client.flops_per_s
+                          + cost.smashed_bytes_per_sample / client.uplink_bytes_per_s) + rtt,
+        trunk_s=cost.trunk_batch_s + per_batch * cost.server_flops_per_sample / trunk_flops_per_s,
+        down_s=per_batch * ((flops - forward) / client.flops_per_s
+                            + gradient_bytes / client.downlink_bytes_per_s) + rtt,
+        after_s=cost.client_param_bytes / client.uplink_bytes_per_s,
+        trunk=trunk, waits=cost.exchanges_per_batch > 0)
+
+
+def predicted_rounds(plan: Plan, clients: Mapping[str, ClientState],
+                     costs: Mapping[int, CutCost], *, trunk_flops_per_s: float,
+                     trunk_of: TrunkOf = shared) -> dict[str, DeviceRound]:
+    """Return each taking-part client's predicted round, in node order (its trunk's order).
+
+    A device with a deadline trains the batches the plan predicts (``steps``).
+    """
+    taking = sorted(plan.assignments, key=lambda a: _node_order(a.client))
+    return {a.client: device_round(
+                clients[a.client], costs[a.cut], trunk_flops_per_s=trunk_flops_per_s,
+                recompute=a.recompute, steps=a.steps, trunk=trunk_of(i, a.client))
+            for i, a in enumerate(taking)}
+
+
+def predicted_round_s(plan: Plan, clients: Mapping[str, ClientState],
+                      costs: Mapping[int, CutCost], *, trunk_flops_per_s: float,
+                      trunk_of: TrunkOf = shared) -> float:
+    """Return ``plan``'s round played out at the trunk (:func:`predicted_rounds`)."""
+    return round_seconds(list(predicted_rounds(
+        plan, clients, costs, trunk_flops_per_s=trunk_flops_per_s, trunk_of=trunk_of).values()))
+
+
+def _node_order(client: str) -> tuple[int, str]:
+    """Sort key of a client id: numerically where it is a node id."""
+    return (int(client), "") if client.isdigit() else (0, client)
+
+
 def trunk_seconds(client: ClientState, cost: CutCost, *, trunk_flops_per_s: float) -> float:
     """Predicted seconds the trunk works for ``client`` at ``cost.cut``."""
-    return client.samples * cost.server_flops_per_sample / trunk_flops_per_s
+    return (client.batches * cost.trunk_batch_s
+            + client.samples * cost.server_flops_per_sample / trunk_flops_per_s)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ exponentially weighted moving average of each::
 
     estimate <- alpha * measured + (1 - alpha) * estimate    (the first sets it)
 
+A rate measured more than ``jump`` times above or below its estimate replaces it: the
+device changed (a throttled phone, Wi-Fi lost for cellular), and averaging would plan
+the next rounds with a device that no longer exists.
+
 * ``flops_per_s = flops / compute_s``; ``uplink = bytes_up / upload_s``;
   ``downlink = bytes_down / download_s``; ``rtt_s = latency_s / exchanges``.
   A rate whose duration (or amount) is zero or missing is not updated: a
@@ -24,6 +28,8 @@ exponentially weighted moving average of each::
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from splitlearn.planning.cost import ClientState
@@ -53,12 +59,17 @@ class ClientMonitor:
     ----------
     alpha : float
         Weight of the newest measurement, in (0, 1]; 1 keeps only the latest.
+    jump : float
+        A rate this many times above or below its estimate replaces it (> 1).
     """
 
-    def __init__(self, alpha: float = 0.5) -> None:
+    def __init__(self, alpha: float = 0.5, jump: float = 2.0) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
+        if not jump > 1:
+            raise ValueError(f"jump must be > 1, got {jump}")
         self.alpha = alpha
+        self.jump = jump
         self._known: dict[str, _Estimates] = {}
 
     def observe(
@@ -115,12 +126,12 @@ class ClientMonitor:
             The cut it trained at, if any.
         """
         known = self._known.setdefault(client, _Estimates())
-        known.flops_per_s = self._smooth(known.flops_per_s, _rate(flops, compute_s))
-        known.uplink_bytes_per_s = self._smooth(known.uplink_bytes_per_s, _rate(bytes_up, upload_s))
-        known.downlink_bytes_per_s = self._smooth(
+        known.flops_per_s = self._rate(known.flops_per_s, _rate(flops, compute_s))
+        known.uplink_bytes_per_s = self._rate(known.uplink_bytes_per_s, _rate(bytes_up, upload_s))
+        known.downlink_bytes_per_s = self._rate(
             known.downlink_bytes_per_s, _rate(bytes_down, download_s)
         )
-        known.rtt_s = self._smooth(known.rtt_s, _per_exchange(latency_s, exchanges))
+        known.rtt_s = self._rate(known.rtt_s, _per_exchange(latency_s, exchanges))
         known.loss = self._smooth(known.loss, loss)
         if memory_bytes is not None and memory_bytes > 0:
             known.memory_bytes = memory_bytes
@@ -182,6 +193,13 @@ class ClientMonitor:
             return 1.0
         return value / mean
 
+    def _rate(self, estimate: float | None, measured: float | None) -> float | None:
+        """One EWMA step of a rate, or the measurement itself where it jumped."""
+        if measured is not None and estimate and measured > 0 and not (
+                1 / self.jump <= measured / estimate <= self.jump):
+            return measured
+        return self._smooth(estimate, measured)
+
     def _smooth(self, estimate: float | None, measured: float | None) -> float | None:
         """One EWMA step; a missing measurement leaves the estimate as it was."""
         if measured is None:
@@ -203,3 +221,46 @@ def _per_exchange(latency_s: float | None, exchanges: int) -> float | None:
     if latency_s is None or latency_s <= 0 or exchanges <= 0:
         return None
     return latency_s / exchanges
+
+
+def fit_trunk(observations: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """Fit the trunk's time, ``seconds = batches x t_batch + flops / F``, to what it took.
+
+    Parameters
+    ----------
+    observations : Sequence[tuple[float, float, float]]
+        ``(batches, flops, seconds)``: one calibration step at a cut, or a round's work
+        (its batches and trunk FLOPs) and the trunk's busy seconds in it.
+
+    Returns
+    -------
+    tuple[float, float]
+        ``(t_batch, F)``: seconds per batch and FLOP/s (``math.inf`` where FLOPs
+        explain none of it). Least squares on relative errors, so that a one-step
+        calibration weighs as much as a round; both parts are kept >= 0 (where the
+        joint fit makes one negative, the better fit of the other alone).
+
+    Raises
+    ------
+    ValueError
+        No observation of positive seconds.
+    """
+    rows = [(b / s, f / s) for b, f, s in observations if s > 0 and (b > 0 or f > 0)]
+    if not rows:
+        raise ValueError("fit_trunk: no observation of positive seconds")
+    uu = sum(u * u for u, _ in rows)
+    vv = sum(v * v for _, v in rows)
+    uv = sum(u * v for u, v in rows)
+    su, sv = sum(u for u, _ in rows), sum(v for _, v in rows)
+    candidates = [(su / uu if uu > 0 else 0.0, 0.0), (0.0, sv / vv if vv > 0 else 0.0)]
+    det = uu * vv - uv * uv
+    if det > 1e-12 * uu * vv:
+        batch, per_flop = (su * vv - sv * uv) / det, (sv * uu - su * uv) / det
+        if batch >= 0 and per_flop >= 0:
+            candidates.append((batch, per_flop))
+
+    def residual(fit: tuple[float, float]) -> float:
+        return sum((u * fit[0] + v * fit[1] - 1) ** 2 for u, v in rows)
+
+    batch, per_flop = min(candidates, key=residual)
+    return batch, (1 / per_flop if per_flop > 0 else math.inf)

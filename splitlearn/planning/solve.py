@@ -194,7 +194,8 @@ def plan_from_choices(
         if option is None:
             reasons.setdefault(client.client, NOT_SELECTED)
             continue
-        assignments.append(Assignment(client.client, option.cut, option.recompute))
+        assignments.append(Assignment(client.client, option.cut, option.recompute,
+                                      client_s=option.client_s, trunk_s=option.trunk_s))
         pairs.append((option.client_s, option.trunk_s))
     ordered = {c.client: reasons[c.client] for c in clients if c.client in reasons}
     return Plan(tuple(assignments), makespan(pairs, shared_trunk=shared_trunk), ordered)

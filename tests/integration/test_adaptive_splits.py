@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 import torch
 from flwr.app import Context
 
@@ -102,6 +103,19 @@ def test_smartsplit_selects_half_the_fleet_and_brings_back_the_rest(tmp_path):
     assert trained["1"].isdisjoint(trained["2"])
     rounds = rounds_of(run_dir)
     assert rounds[2]["test_loss"] < rounds[1]["test_loss"] < rounds[0]["test_loss"]
+    # Each planned round records its prediction beside the clock's charge. Both play the
+    # round out at the trunk: at least the slowest device's own time, at most that plus
+    # every trunk step after it (the planner's objective, in its parts).
+    for row in rounds[1:]:
+        assert row["planned_makespan_s"] == pytest.approx(
+            row["planned_slowest_client_s"] + row["planned_trunk_s"])
+        assert row["planned_slowest_client_s"] <= row["planned_round_s"] * (1 + 1e-9)
+        assert row["planned_round_s"] <= row["planned_makespan_s"] * (1 + 1e-9)
+        assert row["slowest_client_s"] <= row["virtual_round_s"] * (1 + 1e-9)
+        assert row["virtual_round_s"] <= (row["slowest_client_s"] + row["trunk_s"]) * (1 + 1e-9)
+        assert row["planned_finished_round_s"] == row["planned_round_s"]  # none failed
+        assert row["plan_error"] == pytest.approx(
+            row["planned_round_s"] / row["virtual_round_s"] - 1)
 
 
 def test_ushaped_with_moving_cuts_keeps_the_tail_and_labels_on_the_devices(tmp_path):

@@ -66,13 +66,23 @@ def declined_for_memory(message: Message, budget: int) -> Message:
     return Message(content, reply_to=message)
 
 
+#: The trunk's cost in these tests: seconds per batch, FLOP/s.
+TRUNK_BATCH_S, TRUNK_FLOPS = 0.01, 1e9
+
+
+def trunk_s(batches: int, flops: float) -> float:
+    return batches * TRUNK_BATCH_S + flops / TRUNK_FLOPS
+
+
 def make_splitfed(planner, *, model=None):
     model = model or digits_like_model()
     trunk = Trunk(copy.deepcopy(model), lr=0.05)
     costs = cut_costs(model, batch_size=8)
+    steps = [(1, 8 * c.server_flops_per_sample, trunk_s(1, 8 * c.server_flops_per_sample))
+             for c in costs]  # one trunk step of 8 at each cut, as measured before a run
     planning = CutPlanning(planner=planner, costs=costs, prior=prior_state(
         PlannerConfig(name="greedy"), batch_size=8, epochs=1),
-        trunk_busy_s=lambda: trunk.busy_s, trunk_flops_per_s=1e9)
+        trunk_busy_s=lambda: trunk.busy_s, trunk_steps=steps)
     strategy = SplitFed(
         protocol="splitfed_v2", spec=RunSpec(strategy=SplitFedV2Options()),
         dataplane=DataPlaneAccess(TokenRegistry(), "127.0.0.1:1", 60.0),
@@ -117,7 +127,7 @@ def test_the_planner_learns_budgets_from_declines_and_the_trunk_speed_from_its_b
     ok = Message(RecordDict({ROUND_KEY: ConfigRecord({"cut": 1, RECOMPUTE_KEY: False}),
                              "arrays": ArrayRecord()}),
                  dst_node_id=6, message_type="train.splitfed_v2")
-    trunk.busy_s += 2.0  # the trunk worked 2 s for the round
+    trunk.busy_s += trunk_s(4, 40 * costs[1].server_flops_per_sample)  # the round's 4 steps
     garbled = trained_reply(ok, samples=40)
     del garbled.content["metrics"]["num-examples"]  # unreadable metrics: left out, no crash
     planning.observe(1, [
@@ -126,7 +136,9 @@ def test_the_planner_learns_budgets_from_declines_and_the_trunk_speed_from_its_b
         (garbled, "ok", Assignment("7", 1)),
     ])
     assert planning.state("5").memory_bytes == budget
-    assert planning.trunk_flops_per_s == pytest.approx(40 * costs[1].server_flops_per_sample / 2)
+    # Seconds per batch and FLOP/s, fitted to the steps before the run and the round's.
+    assert planning.trunk_flops_per_s == pytest.approx(TRUNK_FLOPS)
+    assert planning.costs[2].trunk_batch_s == pytest.approx(TRUNK_BATCH_S)
     assigned = planning.assign(2, [5, 6])
     assert assigned[5].cut == 1 or assigned[5].recompute  # never a plan that cannot fit
     fits = costs[assigned[5].cut].recompute_memory_bytes if assigned[5].recompute else \

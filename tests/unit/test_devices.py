@@ -29,7 +29,6 @@ from splitlearn.planning.clock import (
     ClientMeasurement,
     VirtualClock,
     client_time,
-    round_time,
 )
 from splitlearn.planning.devices import (
     MBIT,
@@ -113,10 +112,7 @@ def test_client_time_is_compute_rescaled_plus_link():
     assert virtual_time(work, profile=PHONE, host_flops_per_s=8e9) == t
 
 
-def test_round_time_is_slowest_client_plus_trunk_and_clock_accumulates():
-    assert round_time([1.0, 3.5, 2.0], trunk_s=0.25) == 3.75
-    assert round_time([], trunk_s=0.25) == 0.25
-    assert round_time([1.0, 3.5, 2.0], trunk_s=0.25, sequential=True) == 6.75
+def test_the_clock_accumulates_rounds_and_never_goes_back():
     clock = VirtualClock()
     clock.advance(2.0)
     assert clock.advance(1.5) == 3.5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -458,6 +459,19 @@ def test_monitor_smooths_exponentially_and_skips_zero_durations() -> None:
     assert state.rtt_s == pytest.approx(0.05)
 
 
+def test_monitor_takes_a_rate_that_jumped_as_it_is() -> None:
+    # A link that lost Wi-Fi for cellular: the next plan has the new link, not an average.
+    monitor = ClientMonitor(alpha=0.25, jump=2.0)
+    monitor.observe("a", **ROUND)  # 1 MB/s up
+    monitor.observe("a", **(ROUND | {"upload_s": 4.0}))  # 4x slower: replaces the estimate
+    assert monitor.state("a", PRIOR).uplink_bytes_per_s == pytest.approx(ROUND["bytes_up"] / 4)
+    monitor.observe("a", **(ROUND | {"upload_s": 6.0}))  # within 2x: smoothed
+    assert monitor.state("a", PRIOR).uplink_bytes_per_s == pytest.approx(
+        0.25 * ROUND["bytes_up"] / 6 + 0.75 * ROUND["bytes_up"] / 4)
+    with pytest.raises(ValueError, match="jump"):
+        ClientMonitor(jump=1.0)
+
+
 def test_monitor_keeps_the_prior_for_what_was_never_measured() -> None:
     monitor = ClientMonitor()
     monitor.observe_memory("declined", 5e8)
@@ -551,3 +565,23 @@ def test_samples_kept_past_their_batch_count_in_a_cuts_memory() -> None:
     bulk = with_kept_samples(shallow, math.inf)
     assert needed_memory(device, bulk) == 100 + 4008 * 100
     assert needed_memory(device, shallow) == 100  # nothing kept
+
+
+def test_the_trunks_cost_is_fitted_per_batch_and_per_flop_and_never_negative() -> None:
+    from splitlearn.planning.monitor import fit_trunk
+
+    def took(batches: float, flops: float) -> tuple[float, float, float]:
+        return batches, flops, batches * 2e-3 + flops / 5e9
+
+    # Steps at three cuts and two rounds: both parts come back.
+    batch_s, flops_per_s = fit_trunk([took(1, 3e8), took(1, 1e8), took(1, 1e5),
+                                      took(80, 1e10), took(80, 1e7)])
+    assert batch_s == pytest.approx(2e-3) and flops_per_s == pytest.approx(5e9)
+    # Where FLOPs explain nothing (a round costs what its batches cost), they cost nothing.
+    assert fit_trunk([(1, 1e8, 0.01), (1, 1e9, 0.01), (2, 1e9, 0.02)]) == (
+        pytest.approx(0.01), math.inf)
+    # Where the joint fit would make the per-batch cost negative, FLOPs alone.
+    batch_s, flops_per_s = fit_trunk([(1, 1e9, 0.1), (1, 2e9, 0.25)])
+    assert batch_s == 0.0 and flops_per_s > 0
+    with pytest.raises(ValueError, match="no observation"):
+        fit_trunk([(3, 1e9, 0.0)])
