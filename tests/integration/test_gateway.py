@@ -7,10 +7,10 @@ the join URL the gateway printed and consented. Python devices join beside them 
 ``clients.connect``. The run is ``flwr run`` with ``devices.web=true``; the trunk serves its
 WebSocket over TLS, which the pages reach directly.
 
-- Three phones and two Python devices train the default job for two rounds: every phone
-  has ``ok`` rows with its own node id, its bytes and its time per batch, and each device's
-  training loss and the run's final accuracy are those of five Python devices with the same
-  seed (in process). The job's trunk is one copy per device (``strategy=splitfed_v1``):
+- Two phones and a Python device train the default job for two rounds: every phone has
+  ``ok`` rows with its own node id, its bytes and its time per batch, and each device's
+  training loss and the run's final accuracy are those of three Python devices with the
+  same seed (in process). The job's trunk is one copy per device (``strategy=splitfed_v1``):
   with one shared trunk (the default, SplitFed v2) the batches interleave in arrival order,
   and two all-Python runs of the same seed already differ by 1.7 points after three rounds
   (0.858 to 0.875, measured), which would hide what is compared: the phones' arithmetic.
@@ -161,15 +161,15 @@ def python_devices_accuracy(tmp_path: Path, overrides: list[str]) -> float:
 def test_phones_train_as_python_devices_leave_mid_round_and_rejoin_as_the_same_node(
         deployment, chromium, tmp_path):  # noqa: F811
     files, env, port, processes = deployment
-    for i, key in enumerate(register_keys(env, tmp_path / "keys", ["device0", "device1"])):
-        start_python_device(processes, env, index=i, count=5, port=port, ca=files.ca, key=key,
+    for i, key in enumerate(register_keys(env, tmp_path / "keys", ["device0"])):
+        start_python_device(processes, env, index=i, count=3, port=port, ca=files.ca, key=key,
                             cache=tmp_path / f"cache{i}")
     ttl_s = 30  # the phones join at once; the link has expired by the second run
-    phone_keys = register_keys(env, tmp_path / "keys", ["phone0", "phone1", "phone2"])
+    phone_keys = register_keys(env, tmp_path / "keys", ["phone0", "phone1"])
     url = start_gateway(processes, env, tmp_path, port=port, ca=files.ca, keys=phone_keys,
-                        first=2, partitions=5, ttl_s=ttl_s)
+                        first=1, partitions=3, ttl_s=ttl_s)
     issued = time.time()
-    phones = [open_phone(chromium, url) for _ in range(3)]
+    phones = [open_phone(chromium, url) for _ in range(2)]
     wait_connected(phones)
     # A forged token and a page that sends the gateway garbage are turned away by reason.
     forged = open_phone(chromium, url.replace("token=", "token=1"))
@@ -181,27 +181,27 @@ def test_phones_train_as_python_devices_leave_mid_round_and_rejoin_as_the_same_n
         socket.onclose = (event) => done([event.code, event.reason]);
     })""", url.split("?")[0].replace("http", "ws") + "phone")
     assert closed == [4401, 'a hello is {"join": token}']
-    wait_for(lambda: len(online_nodes(env)) == 5, "5 nodes online", timeout_s=90)
+    wait_for(lambda: len(online_nodes(env)) == 3, "3 nodes online", timeout_s=90)
 
     # 1. Two rounds, every device in every round.
-    overrides = [o.format(n=5) for o in RUN] + ["strategy=splitfed_v1"]
+    overrides = [o.format(n=3) for o in RUN] + ["strategy=splitfed_v1"]
     run_to_end(tmp_path / "run", [*overrides, *tls_overrides(files)], env)
     rows = read_clients(tmp_path / "run")
-    assert [r["status"] for r in rows] == ["ok"] * 10
-    phone_rows = [r for r in rows if int(r["partition_id"]) >= 2]
+    assert [r["status"] for r in rows] == ["ok"] * 6
+    phone_rows = [r for r in rows if int(r["partition_id"]) >= 1]
     node_of = {r["partition_id"]: r["node_id"] for r in phone_rows}
-    assert len(set(node_of.values())) == 3 and sorted(node_of) == ["2", "3", "4"]
+    assert len(set(node_of.values())) == 2 and sorted(node_of) == ["1", "2"]
     assert {(r["partition_id"], r["node_id"]) for r in phone_rows} == set(node_of.items())
     for row in phone_rows:
         assert row["profile"] == "mid_range_phone"
         assert int(row["steps"]) == int(row["round_steps"]) > 0  # the whole round
         assert int(row["bytes_up"]) > int(row["weights_bytes_up"]) > 0  # smashed data, over wss
         assert float(row["compute_s"]) > 0 and float(row["peak_memory_bytes"]) > 0
-    assert [phone.inner_text("#round") for phone in phones] == ["2"] * 3
+    assert [phone.inner_text("#round") for phone in phones] == ["2"] * 2
     # Each phone got its rows with its first task only: it held them after.
-    assert [phone.tasks for phone in phones] == [[True, False]] * 3
+    assert [phone.tasks for phone in phones] == [[True, False]] * 2
     # The phones trained their partitions' batches in a Python device's order, with the
-    # same arithmetic (within float32): five Python devices train alike.
+    # same arithmetic (within float32): three Python devices train alike.
     reference = python_devices_accuracy(tmp_path, overrides)
     expected = {(r["round"], r["partition_id"]): float(r["train_loss"])
                 for r in read_clients(tmp_path / "reference")}
@@ -220,7 +220,7 @@ def test_phones_train_as_python_devices_leave_mid_round_and_rejoin_as_the_same_n
     # 2. The default job: a phone's page closes a few batches into round 1.
     leaving = phones[0]
     run_dir = tmp_path / "faults"
-    run = start_run(run_dir, [*[o.format(n=5) for o in RUN], *tls_overrides(files)], env)
+    run = start_run(run_dir, [*[o.format(n=3) for o in RUN], *tls_overrides(files)], env)
     wait_for(lambda: leaving.inner_text("#round") == "1" and batches_done(leaving) >= 3,
              "round 1 under way", timeout_s=300)
     context = leaving.context
@@ -230,9 +230,9 @@ def test_phones_train_as_python_devices_leave_mid_round_and_rejoin_as_the_same_n
     output, _ = run.communicate(timeout=400)
     assert run.returncode == 0, output[-3000:]
     rows = {(r["round"], r["partition_id"]): r for r in read_clients(run_dir)}
-    assert rows[("1", "2")]["status"] == "lost"
-    assert "left mid-round" in rows[("1", "2")]["reason"]
-    assert [rows[("1", p)]["status"] for p in "0134"] == ["ok"] * 4  # the round completed
-    assert [rows[("2", p)]["status"] for p in "01234"] == ["ok"] * 5
-    assert rows[("2", "2")]["node_id"] == node_of["2"]  # the same node again
+    assert rows[("1", "1")]["status"] == "lost"
+    assert "left mid-round" in rows[("1", "1")]["reason"]
+    assert [rows[("1", p)]["status"] for p in "02"] == ["ok"] * 2  # the round completed
+    assert [rows[("2", p)]["status"] for p in "012"] == ["ok"] * 3
+    assert rows[("2", "1")]["node_id"] == node_of["1"]  # the same node again
     assert back.inner_text("#round") == "2"
