@@ -369,11 +369,13 @@ def bench_executorch(overrides: Sequence[str], *, steps: int = 50) -> float:
 
 def bench_planner_suite(overrides: Sequence[str], *, seeds: int, target: float,
                         scenarios: Sequence[str] | None = None,
-                        methods: Sequence[str] | None = None) -> None:
+                        methods: Sequence[str] | None = None, first_seed: int = 0,
+                        oracle_clients: int | None = None) -> None:
     """Uniform cuts vs planners on the virtual clock (:mod:`benchmarks.planner`)."""
     from benchmarks.planner import bench_planner
 
-    bench_planner(overrides, seeds=seeds, target=target, scenarios=scenarios, methods=methods)
+    bench_planner(overrides, seeds=seeds, target=target, scenarios=scenarios, methods=methods,
+                  first_seed=first_seed, oracle_clients=oracle_clients)
 
 
 def bench_rounds_suite(overrides: Sequence[str], *, repeats: int = 3) -> None:
@@ -499,6 +501,11 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides")
     parser.add_argument("--seeds", type=int, default=3, help="planner, compression: seeds")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="planner: the first seed (seeds run from it on)")
+    parser.add_argument("--oracle-clients", type=int,
+                        help="planner: also DynSL against the clock's oracle on this many "
+                        "devices (at most 6)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds, defences: runs of each job")
     parser.add_argument("--clients", type=int, nargs="+",
@@ -509,7 +516,8 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="overhead: numbers of trunk workers")
     parser.add_argument("--target", type=float, default=0.9, help="planner: test accuracy")
-    parser.add_argument("--scenarios", nargs="+", choices=("heterogeneous", "dynamic"),
+    parser.add_argument("--scenarios", nargs="+",
+                        choices=("heterogeneous", "dynamic", "wide_spread"),
                         help="planner: only these scenarios")
     parser.add_argument("--methods", nargs="+",
                         help="planner: only these planners (the uniform cuts always run: "
@@ -540,7 +548,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_arguments(argv)
     if args.name == "planner":
         bench_planner_suite(args.overrides, seeds=args.seeds, target=args.target,
-                            scenarios=args.scenarios, methods=args.methods)
+                            scenarios=args.scenarios, methods=args.methods,
+                            first_seed=args.first_seed, oracle_clients=args.oracle_clients)
     elif args.name == "compression":
         bench_compression_suite(args.overrides, seeds=args.seeds, methods=args.methods)
     elif args.name == "overhead":

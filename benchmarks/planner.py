@@ -1,10 +1,11 @@
 """The planner benchmark: virtual time to a target accuracy, uniform cuts vs planners.
 
-``python -m benchmarks planner [--seeds N] [--target ACC] [overrides ...]``
+``python -m benchmarks planner [--seeds N] [--first-seed S] [--target ACC]
+[--scenarios ...] [--methods ...] [--oracle-clients 6] [overrides ...]``
 
-For each scenario (``+scenario=heterogeneous`` and ``+scenario=dynamic``) and
-seed, the same run is trained once per uniform cut and once per planner
-(greedy, DynSL, SmartSplit) through the shipped strategy, ClientApp and trunk
+For each scenario (``+scenario=heterogeneous``, ``+scenario=dynamic`` and
+``+scenario=wide_spread``) and seed, the same run is trained once per uniform cut and
+once per planner (greedy, DynSL, SmartSplit) through the shipped strategy, ClientApp and trunk
 (:func:`experiments.local.run_local`), and the virtual clock says when each
 first reached the target test accuracy. The host's FLOP/s are measured once and
 fixed for every run, so the clock converts every run's compute the same way.
@@ -22,7 +23,12 @@ instances of up to 6 clients x 6 cuts, and the time to plan 1,000 clients x 20
 cuts) and writes ``planner.csv``, ``planner.json`` and ``planner.png`` into the
 output folder. The last line printed is JSON with the reductions of the best
 planner's time to target versus the best and the worst uniform cut and versus
-greedy (the worst case over the scenarios), plus final accuracies.
+greedy (the worst case over the scenarios), plus final accuracies; the summary also
+has each planner's own reduction, and each planner's predicted rounds against the
+clock's (``plan_error``). With ``--oracle-clients N`` (N <= 6) it also runs every
+uniform cut and DynSL on an N-device version of each scenario and finds the clock's
+oracle there (:mod:`benchmarks.clock_oracle`): how much per-device cuts can gain on
+that fleet at all, and how much of it DynSL gets.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -47,7 +53,7 @@ PLANNER_DEFAULTS = (
     "strategy.num_rounds=15",
     "logger=none",
 )
-SCENARIOS = ("heterogeneous", "dynamic")
+SCENARIOS = ("heterogeneous", "dynamic", "wide_spread")
 PLANNERS = ("greedy", "dynsl", "smartsplit")
 #: SmartSplit's cuts and recomputation with a random choice among the feasible devices: what
 #: its selection is worth at equal virtual time (not one of the planners compared above).
@@ -69,7 +75,7 @@ class RunResult:
     curve: tuple[tuple[float, float], ...] = ()  # (virtual time, test accuracy) per round
     rounds: int = 0
     accuracy_at_budget: float = math.nan  # mean of the last evaluations by the time budget
-    plan_errors: tuple[float, ...] = ()  # per planned round: predicted / clock - 1
+    plan_errors: tuple[tuple[int, float], ...] = ()  # (round, predicted / clock - 1)
 
 
 def time_to_target(history: Sequence[dict], target: float) -> float:
@@ -81,9 +87,12 @@ def time_to_target(history: Sequence[dict], target: float) -> float:
 
 
 def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
-             host_flops: dict[int, float], target: float, rounds: int | None = None
-             ) -> RunResult:
-    """Train one configuration in this process (``rounds``: override the round count)."""
+             host_flops: dict[int, float], target: float, rounds: int | None = None,
+             run_dir: Path | None = None) -> RunResult:
+    """Train one configuration in this process (``rounds``: override the round count).
+
+    ``run_dir``: where its run folder is kept (else a temporary one).
+    """
     from experiments.local import run_local
 
     if method.startswith("cut="):
@@ -98,6 +107,8 @@ def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
     cfg = compose_config([f"+scenario={scenario}", *PLANNER_DEFAULTS, *overrides, *choice,
                           f"seed={seed}", f"devices.host_flops_per_s={min(host_flops.values())}",
                           f"+devices.host_flops_by_cut={by_cut}"])
+    if run_dir is not None:
+        cfg.run_dir = str(run_dir)
     torch.set_num_threads(cfg.engine.torch_threads)
     result = run_local(cfg, concurrency=2)
     history = result.history
@@ -108,7 +119,8 @@ def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
         max((float(r.get("memory_over_budget", 0.0)) for r in history), default=0.0),
         tuple((float(r["virtual_time_s"]), float(r["test_accuracy"])) for r in history),
         rounds=int(final["round"]),
-        plan_errors=tuple(float(r["plan_error"]) for r in history if "plan_error" in r),
+        plan_errors=tuple((int(r["round"]), float(r["plan_error"])) for r in history
+                          if "plan_error" in r),
     )
 
 
@@ -171,6 +183,9 @@ def summarise(results: Sequence[RunResult], cuts: Sequence[int]) -> dict:
             "reduction_vs_worst_uniform": reduction(planners[best_planner],
                                                     uniform[worst_uniform]),
             "reduction_vs_greedy": reduction(planners[best_planner], planners.get("greedy")),
+            # Each planner's own, against the best uniform cut (time to target).
+            "reduction_vs_best_uniform_by_planner": {
+                m: reduction(t, uniform[best_uniform]) for m, t in planners.items()},
             "accuracy_gap_vs_best_uniform": at_time[best_planner] - at_time[best_uniform],
             "accuracy_gap_at_equal_rounds": finals[best_planner] - finals[best_uniform],
             # SmartSplit's selection against a random choice among the feasible devices.
@@ -185,14 +200,25 @@ def summarise(results: Sequence[RunResult], cuts: Sequence[int]) -> dict:
     return summary
 
 
+#: Rounds planned before every device has reported (with the planner's prior).
+PRIOR_ROUNDS = 2
+
+
 def plan_error_summary(results: Sequence[RunResult]) -> dict[str, float]:
-    """Median and worst relative error of the predicted round against the clock's."""
-    errors = [abs(e) for r in results for e in r.plan_errors]
-    if not errors:
+    """Median and worst relative error of the predicted round against the clock's.
+
+    ``worst_abs_measured`` leaves out the first :data:`PRIOR_ROUNDS` rounds, planned
+    before the devices measured themselves (a device unavailable in round 1 is planned
+    as the prior in round 2).
+    """
+    signed = [e for r in results for _, e in r.plan_errors]
+    if not signed:
         return {}
-    signed = [e for r in results for e in r.plan_errors]
-    return {"median_abs": statistics.median(errors), "worst_abs": max(errors),
-            "median_signed": statistics.median(signed), "rounds": len(errors)}
+    later = [abs(e) for r in results for n, e in r.plan_errors if n > PRIOR_ROUNDS]
+    return {"median_abs": statistics.median(abs(e) for e in signed),
+            "worst_abs": max(abs(e) for e in signed),
+            "worst_abs_measured": max(later, default=math.nan),
+            "median_signed": statistics.median(signed), "rounds": len(signed)}
 
 
 def reduction(mine: float, other: float | None) -> float | None:
@@ -254,14 +280,45 @@ def plot(results: Sequence[RunResult], path: Path, *, target: float) -> None:
     plt.close(fig)
 
 
+def bench_oracle(scenario: str, seeds: Sequence[int], overrides: Sequence[str], *,
+                 clients: int, cuts: Sequence[int], out_dir: Path,
+                 run: Callable[..., RunResult]) -> dict:
+    """DynSL against the clock's oracle on a ``clients``-device version of ``scenario``.
+
+    Per seed: every uniform cut and DynSL, their run folders kept, and the oracle's best
+    per-device cuts played out from the uniform runs (:mod:`benchmarks.clock_oracle`).
+    ``share`` is the part of the oracle's gain over the best uniform cut DynSL got.
+    """
+    from benchmarks.clock_oracle import oracle
+
+    small = [*overrides, f"num_clients={clients}"]
+    found = {}
+    for seed in seeds:
+        folders = {c: out_dir / "oracle" / f"{scenario}-{seed}-cut{c}" for c in cuts}
+        for c, folder in folders.items():
+            run(run_once, scenario, seed, f"cut={c}", run_dir=folder, overrides=small)
+        dynsl = out_dir / "oracle" / f"{scenario}-{seed}-dynsl"
+        run(run_once, scenario, seed, "dynsl", run_dir=dynsl, overrides=small)
+        found[seed] = oracle(folders, {"dynsl": dynsl})
+    gains = {key: statistics.fmean(f[key] for f in found.values())
+             for key in ("oracle_gain_vs_best_uniform", "dynsl_gain_vs_best_uniform")}
+    share = (gains["dynsl_gain_vs_best_uniform"] / gains["oracle_gain_vs_best_uniform"]
+             if gains["oracle_gain_vs_best_uniform"] > 0 else None)
+    return {"clients": clients, "by_seed": found, **gains, "dynsl_share_of_oracle_gain": share}
+
+
 def bench_planner(overrides: Sequence[str], *, seeds: int = 3, target: float = 0.9,
                   out_dir: Path | None = None, scenarios: Sequence[str] | None = None,
-                  methods: Sequence[str] | None = None) -> dict:
+                  methods: Sequence[str] | None = None, first_seed: int = 0,
+                  oracle_clients: int | None = None) -> dict:
     """Run every method on every scenario and seed; print and return the summary.
 
     ``scenarios`` and ``methods`` (planner names) narrow the run; the uniform
-    cuts always run, as the reference.
+    cuts always run, as the reference. Seeds run from ``first_seed`` on. With
+    ``oracle_clients``, also DynSL against the clock's oracle on that many devices
+    (:func:`bench_oracle`).
     """
+    seed_range = range(first_seed, first_seed + seeds)
     from server.app import host_flops_by_cut
     from splitlearn.config import to_object
     from splitlearn.models.factory import build_model_from_config
@@ -284,7 +341,8 @@ def bench_planner(overrides: Sequence[str], *, seeds: int = 3, target: float = 0
 
     def timed(run, *args, **kwargs) -> RunResult:  # type: ignore[no-untyped-def]
         started = time.perf_counter()
-        result = run(*args, overrides, host_flops=host_flops, target=target, **kwargs)
+        given = kwargs.pop("overrides", overrides)
+        result = run(*args, given, host_flops=host_flops, target=target, **kwargs)
         print(f"{result.scenario:>13} seed {result.seed} {result.method:>17}: time to "
               f"{target:.0%} {result.time_to_target_s:8.1f} s, accuracy after {rounds} rounds "
               f"{result.final_accuracy:.4f} ({result.rounds} rounds, "
@@ -293,23 +351,31 @@ def bench_planner(overrides: Sequence[str], *, seeds: int = 3, target: float = 0
 
     for scenario in scenarios or SCENARIOS:
         mine = [timed(run_once, scenario, seed, method)
-                for seed in range(seeds) for method in uniform]
+                for seed in seed_range for method in uniform]
         # Equal time: what the best uniform cut (by mean time to target) took, per seed.
         best = min(uniform, key=lambda m: mean_time([r for r in mine if r.method == m]))
         budget = {r.seed: r.virtual_time_s for r in mine if r.method == best}
         results.extend(at_budget(r, budget[r.seed]) for r in mine)
-        for seed in range(seeds):
+        for seed in seed_range:
             for method in planners:
                 results.append(timed(run_for_budget, scenario, seed, method, rounds=rounds,
                                      budget_s=budget[seed]))
                 write_rows(results, out_dir / "planner.csv")
     summary = summarise(results, cuts) | {"solver": check_solver()}
+    if oracle_clients:
+        summary["oracle"] = {
+            scenario: bench_oracle(scenario, seed_range, overrides, clients=oracle_clients,
+                                   cuts=cuts, out_dir=out_dir, run=timed)
+            for scenario in scenarios or SCENARIOS}
+        print(f"oracle: {json.dumps(summary['oracle'], default=str)}")
     (out_dir / "planner.json").write_text(json.dumps(summary, indent=2, default=str))
     plot(results, out_dir / "planner.png", target=target)
     for scenario in SCENARIOS:
         if scenario in summary:
             print(f"{scenario}: accuracy at equal virtual time "
                   f"{json.dumps(summary[scenario]['accuracy_at_equal_time'])}")
+            print(f"{scenario}: predicted / clock round - 1 "
+                  f"{json.dumps(summary[scenario]['plan_error'])}")
     last = {key: min((s[key] for s in summary.values() if isinstance(s, dict) and key in s
                       and s[key] is not None), default=None)
             for key in ("reduction_vs_best_uniform", "reduction_vs_worst_uniform",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import torch
@@ -365,16 +365,24 @@ def measure_host_flops_per_s(
     bottom, _ = split(copy.deepcopy(model), cut)
     inputs = torch.rand(batch_size, *model.input_shape)
     flops_per_step = client_train_flops_per_sample(model, cut) * batch_size
+    return flops_per_step / _median_step_s(lambda: _train_step(bottom, inputs),
+                                           threads=threads, min_seconds=min_seconds)
+
+
+def _median_step_s(step: Callable[[], None], *, threads: int, min_seconds: float) -> float:
+    """Median seconds of ``step`` after a warm-up, over at least ``min_seconds`` and 3 steps.
+
+    The median: a step that another process interrupted does not set the figure.
+    """
     with intra_op_threads(threads):
-        _train_step(bottom, inputs)  # warm-up: allocator, kernels
+        step()  # warm-up: allocator, kernels
         step_s: list[float] = []
         started = time.perf_counter()
         while time.perf_counter() - started < min_seconds or len(step_s) < 3:
             begun = time.perf_counter()
-            _train_step(bottom, inputs)
+            step()
             step_s.append(time.perf_counter() - begun)
-    # The median step: a step that another process interrupted does not set the figure.
-    return flops_per_step / statistics.median(step_s)
+    return statistics.median(step_s)
 
 
 def measure_trunk_step_s(
@@ -409,15 +417,7 @@ def measure_trunk_step_s(
                     param.grad = None
         inputs.grad = None
 
-    with intra_op_threads(threads):
-        step()  # warm-up: allocator, kernels
-        step_s: list[float] = []
-        started = time.perf_counter()
-        while time.perf_counter() - started < min_seconds or len(step_s) < 3:
-            begun = time.perf_counter()
-            step()
-            step_s.append(time.perf_counter() - begun)
-    return statistics.median(step_s)
+    return _median_step_s(step, threads=threads, min_seconds=min_seconds)
 
 
 def _train_step(bottom: nn.Module, inputs: torch.Tensor) -> None:

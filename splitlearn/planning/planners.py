@@ -9,8 +9,8 @@ with or without activation recomputation? Plans are scored with the same cost mo
 * :class:`UniformPlanner`: one fixed cut for everyone (today's behaviour).
 * :class:`GreedyPlanner`: each client its own fastest cut, ignoring that the
   shared trunk serialises clients (the usual per-client adaptive baseline).
-* :class:`DynSLPlanner`: exact per-client cuts re-planned every ``R`` rounds,
-  moving clients only when the gain pays for the move.
+* :class:`DynSLPlanner`: per-client cuts for the round played out at the trunk,
+  re-planned every ``R`` rounds, moving clients only when the gain pays for the move.
 * :class:`SmartSplitPlanner`: memory-aware device selection (data utility,
   staleness and speed) with exact cuts and recomputation.
 * :class:`OraclePlanner`: exhaustive search (small fleets only).
@@ -29,8 +29,17 @@ import random
 from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
-from splitlearn.planning.cost import ClientState, CutCost, Plan, makespan, move_bytes
+from splitlearn.planning.cost import (
+    ClientState,
+    CutCost,
+    Plan,
+    device_round,
+    makespan,
+    move_bytes,
+)
 from splitlearn.planning.deadline import PartialChoice, deadline_choices, plan_with_steps
+from splitlearn.planning.queue import DeviceRound, round_seconds
+from splitlearn.planning.search import EXACT_LIMIT, Choice, best_choice
 from splitlearn.planning.solve import (
     Option,
     TooManyAssignments,
@@ -191,21 +200,27 @@ class GreedyPlanner(FlooredPlanner):
 
 
 class DynSLPlanner(FlooredPlanner):
-    """DynSL: exact per-client cuts from measured compute and links, re-planned every R rounds.
+    """DynSL: per-client cuts re-planned every R rounds for the round as it is played out.
 
-    On re-plan rounds (1, 1 + R, 1 + 2R, ...) the planner solves exactly (no
-    selection, no recomputation) and compares with keeping the current cuts:
+    On re-plan rounds (1, 1 + R, 1 + 2R, ...) the planner picks each client's cut (no
+    selection, no recomputation) for the least round played out at the trunk
+    (:mod:`splitlearn.planning.queue`: the devices' work overlapping the trunk's queue,
+    where a slow device's work can move to a trunk that would wait for it anyway), exactly
+    for small fleets and otherwise by descent to a stated bound
+    (:func:`~splitlearn.planning.search.best_choice`), and compares with keeping the
+    current cuts:
 
-    * gain = (kept makespan - new makespan) x R rounds;
+    * gain = (kept round - new round) x R rounds;
     * cost = sum over moved clients of ``move_bytes`` / its slower link + one RTT.
 
     The new plan is taken when ``gain > (1 + h) cost`` and ``gain > h x kept
-    makespan``; then each moved client (costliest move first) is put back when
-    that does not raise the new plan's makespan. Between re-plans clients keep
-    their cuts. A client's current cut is the one this planner last gave it,
-    else its ``current_cut``. A client without one, or whose cut no longer
-    fits or is no longer allowed, gets the solver's best cut given the others'
-    kept cuts; such forced moves count in neither plan's cost.
+    round``; then each moved client (costliest move first) is put back when that
+    does not lengthen the new plan's round. Between re-plans clients keep their
+    cuts. A client's current cut is the one this planner last gave it, else its
+    ``current_cut``. A client without one, or whose cut no longer fits or is no
+    longer allowed, gets the best cut given the others' kept cuts; such forced moves
+    count in neither plan's cost. :attr:`last_gap` is how far above the optimum the
+    last fresh plan's round can be (0: solved exactly).
 
     Parameters
     ----------
@@ -216,7 +231,9 @@ class DynSLPlanner(FlooredPlanner):
     min_cut, forbidden_cuts
         The privacy floor.
     shared_trunk : bool
-        The makespan model solved for.
+        One trunk for every client, or one each.
+    exact_limit : int
+        The most combinations of cuts tried one by one (more: descent).
     """
 
     def __init__(
@@ -227,6 +244,7 @@ class DynSLPlanner(FlooredPlanner):
         min_cut: int | None = None,
         forbidden_cuts: Collection[int] = frozenset(),
         shared_trunk: bool = True,
+        exact_limit: int = EXACT_LIMIT,
     ) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1 round, got {every}")
@@ -234,9 +252,11 @@ class DynSLPlanner(FlooredPlanner):
             raise ValueError(f"hysteresis must be >= 0, got {hysteresis}")
         self.every = every
         self.hysteresis = hysteresis
+        self.exact_limit = exact_limit
         super().__init__(min_cut=min_cut, forbidden_cuts=forbidden_cuts, shared_trunk=shared_trunk)
         # The planner's memory: the cut it last gave each client.
         self.cuts: dict[str, int] = {}
+        self.last_gap = 0.0
 
     def is_replan_round(self, server_round: int) -> bool:
         """Whether ``server_round`` re-plans (rounds 1, 1 + R, ...)."""
@@ -254,65 +274,93 @@ class DynSLPlanner(FlooredPlanner):
         options, excluded = self.options(
             clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_recompute=False
         )
-        current = [self._kept_option(c, opts) for c, opts in zip(clients, options, strict=True)]
-        pinned = [[o] if o is not None else opts for o, opts in zip(current, options, strict=True)]
-        kept = choose_options(pinned, select=None, shared_trunk=self.shared_trunk)
-        chosen = kept
-        if self.is_replan_round(server_round):
-            fresh = choose_options(options, select=None, shared_trunk=self.shared_trunk)
-            if self._worth_moving(clients, cuts, current, kept, fresh):
-                chosen = self._revert_needless_moves(clients, cuts, current, fresh)
-        plan = plan_from_choices(clients, chosen, excluded, shared_trunk=self.shared_trunk)
+        taking = [i for i, opts in enumerate(options) if opts]
+        by_cut = {c.cut: c for c in cuts}
+        rounds = {i: [device_round(clients[i], by_cut[o.cut], trunk_flops_per_s=trunk_flops_per_s,
+                                   trunk=0 if self.shared_trunk else clients[i].client)
+                      for o in options[i]] for i in taking}
+        current = {i: self._kept_index(clients[i], options[i]) for i in taking}
+        pinned = [[rounds[i][current[i]]] if current[i] is not None else rounds[i]
+                  for i in taking]
+        kept = best_choice(pinned, exact_limit=self.exact_limit)
+        chosen = {i: current[i] if current[i] is not None else kept.picks[n]
+                  for n, i in enumerate(taking)}
+        if taking and self.is_replan_round(server_round):
+            fresh = self._fresh(options, rounds, taking, cuts)
+            self.last_gap = fresh.gap
+            picks = dict(zip(taking, fresh.picks, strict=True))
+            if self._worth_moving(clients, cuts, options, current, kept.round_s, picks, rounds):
+                chosen = self._revert_needless_moves(clients, cuts, options, current, picks,
+                                                     rounds)
+        plan = plan_from_choices(
+            clients, [options[i][chosen[i]] if i in chosen else None
+                      for i in range(len(clients))],
+            excluded, shared_trunk=self.shared_trunk)
         self.cuts.update((a.client, a.cut) for a in plan.assignments)
         return plan
 
-    def _kept_option(self, client: ClientState, options: Sequence[Option]) -> Option | None:
+    def _fresh(self, options: Sequence[Sequence[Option]], rounds: dict[int, list[DeviceRound]],
+               taking: Sequence[int], cuts: Sequence[CutCost]) -> Choice:
+        """Return the best cuts for the played-out round (descent starts where it is likely)."""
+        solver = choose_options([options[i] for i in taking], select=None,
+                                shared_trunk=self.shared_trunk)
+        starts = [[options[i].index(o) if o is not None else 0
+                   for i, o in zip(taking, solver, strict=True)]]
+        for cut in sorted({c.cut for c in cuts}):  # every uniform cut, where it is feasible
+            starts.append([next((k for k, o in enumerate(options[i]) if o.cut == cut), 0)
+                           for i in taking])
+        return best_choice([rounds[i] for i in taking], starts=starts,
+                           exact_limit=self.exact_limit)
+
+    def _kept_index(self, client: ClientState, options: Sequence[Option]) -> int | None:
         """Find the current cut among the feasible options (None: new, or it no longer fits)."""
         cut = self.cuts.get(client.client, client.current_cut)
-        return next((o for o in options if o.cut == cut), None)
+        return next((k for k, o in enumerate(options) if o.cut == cut), None)
 
-    def _span(self, chosen: Sequence[Option | None]) -> float:
-        pairs = [(o.client_s, o.trunk_s) for o in chosen if o is not None]
-        return makespan(pairs, shared_trunk=self.shared_trunk)
+    @staticmethod
+    def _round(picks: dict[int, int], rounds: dict[int, list[DeviceRound]]) -> float:
+        return round_seconds([rounds[i][k] for i, k in sorted(picks.items())])
+
+    def _moves(self, clients: Sequence[ClientState], cuts: Sequence[CutCost],
+               options: Sequence[Sequence[Option]], current: dict[int, int | None],
+               picks: dict[int, int]) -> list[tuple[float, int]]:
+        """Return what each client ``picks`` moves from its current cut costs, with its index."""
+        return [(_move_seconds(clients[i], cuts, options[i][old].cut, options[i][k].cut), i)
+                for i, k in picks.items()
+                if (old := current[i]) is not None and options[i][k].cut != options[i][old].cut]
 
     def _worth_moving(
         self,
         clients: Sequence[ClientState],
         cuts: Sequence[CutCost],
-        current: Sequence[Option | None],
-        kept: Sequence[Option | None],
-        fresh: Sequence[Option | None],
+        options: Sequence[Sequence[Option]],
+        current: dict[int, int | None],
+        kept_s: float,
+        picks: dict[int, int],
+        rounds: dict[int, list[DeviceRound]],
     ) -> bool:
         """Whether the fresh plan's gain over R rounds pays for its moves, with margin h."""
-        kept_span = self._span(kept)
-        gain = (kept_span - self._span(fresh)) * self.every
-        cost = sum(
-            _move_seconds(client, cuts, old.cut, new.cut)
-            for client, old, new in zip(clients, current, fresh, strict=True)
-            if old is not None and new is not None and new.cut != old.cut
-        )
+        gain = (kept_s - self._round(picks, rounds)) * self.every
+        cost = sum(seconds for seconds, _ in self._moves(clients, cuts, options, current, picks))
         h = self.hysteresis
-        return gain > (1 + h) * cost and gain > h * kept_span
+        return gain > (1 + h) * cost and gain > h * kept_s
 
     def _revert_needless_moves(
         self,
         clients: Sequence[ClientState],
         cuts: Sequence[CutCost],
-        current: Sequence[Option | None],
-        fresh: Sequence[Option | None],
-    ) -> list[Option | None]:
-        """Put moved clients back (costliest move first) where the makespan does not rise."""
-        chosen = list(fresh)
-        limit = self._span(fresh) * (1 + _SPAN_RTOL)
-        moved = sorted(
-            (-_move_seconds(clients[i], cuts, old.cut, new.cut), i, old)
-            for i, (old, new) in enumerate(zip(current, fresh, strict=True))
-            if old is not None and new is not None and new.cut != old.cut
-        )
-        for _, i, old in moved:
-            trial = chosen[:i] + [old] + chosen[i + 1 :]
-            if self._span(trial) <= limit:
-                chosen = trial
+        options: Sequence[Sequence[Option]],
+        current: dict[int, int | None],
+        picks: dict[int, int],
+        rounds: dict[int, list[DeviceRound]],
+    ) -> dict[int, int]:
+        """Put moved clients back (costliest move first) where the round does not lengthen."""
+        chosen = dict(picks)
+        limit = self._round(picks, rounds) * (1 + _SPAN_RTOL)
+        for _, i in sorted(self._moves(clients, cuts, options, current, picks), reverse=True):
+            trial = chosen | {i: current[i]}
+            if self._round(trial, rounds) <= limit:  # type: ignore[arg-type]
+                chosen = trial  # type: ignore[assignment]
         return chosen
 
 

@@ -327,3 +327,16 @@ def test_the_hosts_speed_is_its_median_step_not_one_another_process_interrupted(
     step_s = client_train_flops_per_sample(model, 1) * 4 / flops
     # Six steps fill 0.31 s, so their mean is over 50 ms; the median is a 2 ms step.
     assert step_s == pytest.approx(0.002)
+
+
+def test_a_trunk_step_is_timed_on_a_copy_of_the_trunks_stages():
+    import torch
+
+    from splitlearn.calibration import measure_trunk_step_s
+    from splitlearn.models import build_model
+
+    model = build_model("cnn", in_channels=1, num_classes=10, image_size=8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for cut, end in ((1, None), (2, None), (1, 3)):  # end: a U-shaped trunk's last stage
+        assert measure_trunk_step_s(model, cut, end=end, batch_size=4, min_seconds=0.0) > 0
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())

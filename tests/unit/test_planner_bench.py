@@ -56,3 +56,51 @@ def test_summary_reductions_and_accuracy_gaps() -> None:
     assert summary["accuracy_gap_vs_best_uniform"] == pytest.approx(
         (0.93 + 0.94 + 0.96) / 3 - (0.91 + 0.95) / 2)
     assert summary["accuracy_gap_at_equal_rounds"] == pytest.approx(0.96 - 0.95)
+
+
+def test_the_plan_errors_are_summed_up_over_runs_and_apart_from_the_prior_rounds() -> None:
+    from dataclasses import replace
+
+    from benchmarks.planner import plan_error_summary
+
+    first = replace(run("dynsl", [(0, 0.1), (1, 0.5)]),
+                    plan_errors=((1, -0.5), (2, 0.3), (3, 0.02), (4, -0.04)))
+    second = replace(run("dynsl", [(0, 0.1), (1, 0.5)], seed=1), plan_errors=((3, 0.1),))
+    summary = plan_error_summary([first, second])
+    assert summary["median_abs"] == pytest.approx(0.1)  # of 0.5, 0.3, 0.02, 0.04, 0.1
+    assert summary["worst_abs"] == pytest.approx(0.5)
+    assert summary["worst_abs_measured"] == pytest.approx(0.1)  # rounds 3 and later
+    assert summary["median_signed"] == pytest.approx(0.02) and summary["rounds"] == 5
+    assert plan_error_summary([run("cut=2", [(0, 0.1)])]) == {}  # a uniform cut plans nothing
+
+
+def clock_run(folder, seconds: dict[str, float]):  # noqa: ANN001, ANN201
+    """A run folder whose one round had each device (partition id) take ``seconds``."""
+    import csv
+    import json
+
+    folder.mkdir()
+    rows = [{"round": 1, "status": "ok", "node_id": 10 + i, "client": device, "steps": 1,
+             "num_examples": 8, "virtual_s": s, "virtual_compute_s": s}
+            for i, (device, s) in enumerate(seconds.items())]
+    rows.append({"round": 1, "status": "dropout", "node_id": 99, "client": "gone"})
+    with open(folder / "clients.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (folder / "metrics.json").write_text(json.dumps([{"round": 0}, {"round": 1, "trunk_s": 0}]))
+    return folder
+
+
+def test_the_clock_oracle_mixes_the_cuts_each_device_is_fastest_at(tmp_path) -> None:
+    from benchmarks.clock_oracle import oracle
+
+    # a is fast at cut 1, b at cut 2: any uniform cut waits 9 s for one of them, the
+    # mix 3 s; a planner's run that got one device right waited 6 s.
+    found = oracle({1: clock_run(tmp_path / "c1", {"a": 3.0, "b": 9.0}),
+                    2: clock_run(tmp_path / "c2", {"a": 9.0, "b": 3.0})},
+                   {"dynsl": clock_run(tmp_path / "d", {"a": 3.0, "b": 6.0})})
+    assert found["cut=1_s"] == found["cut=2_s"] == pytest.approx(9.0)
+    assert found["oracle_s"] == pytest.approx(3.0) and found["dynsl_s"] == pytest.approx(6.0)
+    assert found["oracle_gain_vs_best_uniform"] == pytest.approx(2 / 3)
+    assert found["dynsl_gain_vs_best_uniform"] == pytest.approx(1 / 3)

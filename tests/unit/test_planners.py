@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
 import pytest
 
-from splitlearn.planning.cost import ClientState, CutCost
+from splitlearn.planning.cost import ClientState, CutCost, device_round, fits, predicted_round_s
 from splitlearn.planning.monitor import ClientMonitor
 from splitlearn.planning.planners import (
     PLANNERS,
@@ -20,6 +21,7 @@ from splitlearn.planning.planners import (
     make_planner,
     privacy_floor,
 )
+from splitlearn.planning.queue import round_seconds
 from splitlearn.planning.solve import random_instance, solve
 from tests.helpers import client_state, cut_cost
 
@@ -149,12 +151,42 @@ def test_dynsl_reverts_moves_that_do_not_shorten_the_round() -> None:
     assert plan.makespan_s == pytest.approx(3.5)
 
 
-def test_dynsl_replans_exactly() -> None:
+def played_round(plan, clients, cuts, trunk: float) -> float:  # noqa: ANN001
+    return predicted_round_s(plan, {c.client: c for c in clients}, {c.cut: c for c in cuts},
+                             trunk_flops_per_s=trunk)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dynsl_plans_the_played_out_round_exactly_on_a_small_fleet(seed: int) -> None:
+    clients, cuts, trunk = random_instance(4, 4, seed=seed)
+    fresh = [replace(c, current_cut=None) for c in clients]
+    planner = DynSLPlanner(every=1)
+    plan = planner.plan(1, fresh, cuts, trunk_flops_per_s=trunk)
+    assert planner.last_gap == 0.0  # every combination tried
+    # Against every combination of the cuts that fit, played out the same way.
+    by_cut = {c.cut: c for c in cuts}
+    options = [[c.cut for c in cuts if fits(client, c)] for client in fresh]
+    best = min(
+        round_seconds([device_round(client, by_cut[cut], trunk_flops_per_s=trunk)
+                       for client, cut in zip(fresh, combo, strict=True)])
+        for combo in itertools.product(*options))
+    assert played_round(plan, fresh, cuts, trunk) == pytest.approx(best, rel=1e-12)
+
+
+def test_dynsl_beats_the_makespan_solver_and_every_uniform_cut_on_a_large_fleet() -> None:
     clients, cuts, trunk = random_instance(30, 6, seed=2)
     fresh = [replace(c, current_cut=None) for c in clients]
-    plan = DynSLPlanner(every=1).plan(1, fresh, cuts, trunk_flops_per_s=trunk)
-    exact = solve(fresh, cuts, trunk_flops_per_s=trunk, allow_recompute=False)
-    assert plan.makespan_s == pytest.approx(exact.makespan_s, rel=1e-12)
+    planner = DynSLPlanner(every=1)
+    plan = planner.plan(1, fresh, cuts, trunk_flops_per_s=trunk)
+    mine = played_round(plan, fresh, cuts, trunk)
+    solver = solve(fresh, cuts, trunk_flops_per_s=trunk, allow_recompute=False)
+    assert mine <= played_round(solver, fresh, cuts, trunk) * (1 + 1e-12)
+    for cut in cuts:
+        uniform = UniformPlanner(cut.cut).plan(1, fresh, cuts, trunk_flops_per_s=trunk)
+        if len(uniform.assignments) == len(plan.assignments):  # the cut fits everyone
+            assert mine <= played_round(uniform, fresh, cuts, trunk) * (1 + 1e-12)
+    # Too many combinations to try: the plan states how far from the optimum it can be.
+    assert 0 <= planner.last_gap < 1
 
 
 # --- SmartSplit ----------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -18,6 +19,7 @@ from splitlearn.planning.queue import (
     round_seconds,
     sequential_round_seconds,
 )
+from splitlearn.planning.search import best_choice, played
 from splitlearn.planning.solve import random_instance, solve
 
 
@@ -130,3 +132,27 @@ def test_a_predicted_device_round_has_the_cost_models_parts(clients, cuts, seed,
     assert plan.slowest_client_s * (1 - 1e-9) <= predicted <= plan.makespan_s * (1 + 1e-9)
     assert predicted_round_s(plan, states, by_cut, trunk_flops_per_s=trunk_flops,
                              trunk_of=own) <= predicted * (1 + 1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(device, min_size=1, max_size=3), min_size=1, max_size=4))
+def test_the_best_choice_is_the_best_combination_and_its_bound_holds(options):
+    every = [played(options, p) for p in itertools.product(*(range(len(d)) for d in options))]
+    exact = best_choice(options)
+    assert exact.exact and exact.gap == 0.0
+    assert exact.round_s == pytest.approx(min(every))
+    assert exact.bound_s <= min(every) + 1e-9  # a lower bound of the optimum
+    # With too many combinations to try: descent from each start, no worse than any.
+    starts = [[len(d) - 1 for d in options]]
+    descended = best_choice(options, starts=starts, exact_limit=0)
+    assert not descended.exact
+    assert min(every) - 1e-9 <= descended.round_s <= played(options, starts[0]) + 1e-9
+    assert descended.round_s <= played(options, [0] * len(options)) + 1e-9
+    assert descended.bound_s * (1 + descended.gap) == pytest.approx(descended.round_s) or (
+        descended.gap == 0.0)
+    # Past the descent limit the starts are compared as they are.
+    compared = best_choice(options, starts=starts, exact_limit=0, descent_limit=0)
+    assert compared.round_s == pytest.approx(
+        min(played(options, starts[0]), played(options, [0] * len(options))))
+    with pytest.raises(ValueError, match="at least one option"):
+        best_choice([*options, []])
