@@ -49,7 +49,7 @@ def prior_state(cfg: PlannerConfig, *, batch_size: int, epochs: int) -> ClientSt
         "prior", flops_per_s=cfg.prior_flops_per_s,
         uplink_bytes_per_s=cfg.prior_uplink_mbps * MBIT,
         downlink_bytes_per_s=cfg.prior_downlink_mbps * MBIT, rtt_s=cfg.prior_rtt_s,
-        memory_bytes=UNLIMITED, samples=batches * batch_size, batches=batches,
+        memory_bytes=UNLIMITED, samples=batches * batch_size, batches=batches, measured=False,
     )
 
 

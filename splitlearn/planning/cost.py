@@ -160,6 +160,8 @@ class ClientState:
         The cut it held last round, if any (moving costs bytes).
     examples : int
         Examples in its local data (what per-example memory scales with); 0: unknown.
+    measured : bool
+        Whether its speed was measured (False: the figures are a prior's guess).
     """
 
     client: str
@@ -173,6 +175,7 @@ class ClientState:
     utility: float = 1.0
     current_cut: int | None = None
     examples: int = 0
+    measured: bool = True
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,8 @@ class ClientMonitor:
             "examples": known.examples,
         }
         updates = {name: value for name, value in measured.items() if value is not None}
-        return replace(prior, client=client, utility=self.utility(client), **updates)
+        return replace(prior, client=client, utility=self.utility(client), **updates,
+                       measured=prior.measured or known.flops_per_s is not None)
 
     def utility(self, client: str) -> float:
         """``label_coverage x samples / mean x loss / mean`` (unknown factors count as 1)."""

@@ -219,8 +219,9 @@ class DynSLPlanner(FlooredPlanner):
     cuts. A client's current cut is the one this planner last gave it, else its
     ``current_cut``. A client without one, or whose cut no longer fits or is no
     longer allowed, gets the best cut given the others' kept cuts; such forced moves
-    count in neither plan's cost. :attr:`last_gap` is how far above the optimum the
-    last fresh plan's round can be (0: solved exactly).
+    count in neither plan's cost. So does a client whose cut was given before it was
+    measured (the prior's guess), once it has been. :attr:`last_gap` is how far above
+    the optimum the last fresh plan's round can be (0: solved exactly).
 
     Parameters
     ----------
@@ -254,8 +255,10 @@ class DynSLPlanner(FlooredPlanner):
         self.hysteresis = hysteresis
         self.exact_limit = exact_limit
         super().__init__(min_cut=min_cut, forbidden_cuts=forbidden_cuts, shared_trunk=shared_trunk)
-        # The planner's memory: the cut it last gave each client.
+        # The planner's memory: the cut it last gave each client, and the clients it gave
+        # one before they were measured (the prior's guess: placed again once measured).
         self.cuts: dict[str, int] = {}
+        self.guessed: set[str] = set()
         self.last_gap = 0.0
 
     def is_replan_round(self, server_round: int) -> bool:
@@ -280,6 +283,10 @@ class DynSLPlanner(FlooredPlanner):
                                    trunk=0 if self.shared_trunk else clients[i].client)
                       for o in options[i]] for i in taking}
         current = {i: self._kept_index(clients[i], options[i]) for i in taking}
+        for i in taking:  # placed by a guess before it was measured: placed again now
+            if clients[i].measured and clients[i].client in self.guessed:
+                current[i] = None
+        self.guessed -= {c.client for c in clients if c.measured}
         pinned = [[rounds[i][current[i]]] if current[i] is not None else rounds[i]
                   for i in taking]
         kept = best_choice(pinned, exact_limit=self.exact_limit)
@@ -297,6 +304,7 @@ class DynSLPlanner(FlooredPlanner):
                       for i in range(len(clients))],
             excluded, shared_trunk=self.shared_trunk)
         self.cuts.update((a.client, a.cut) for a in plan.assignments)
+        self.guessed |= {c.client for c in clients if not c.measured}
         return plan
 
     def _fresh(self, options: Sequence[Sequence[Option]], rounds: dict[int, list[DeviceRound]],

@@ -134,6 +134,21 @@ def test_dynsl_places_new_and_no_longer_fitting_clients_between_replans() -> Non
     assert cuts_of(planner.plan(2, shrunk, cuts, trunk_flops_per_s=1.0)) == {"a": 1, "b": 2}
 
 
+def test_dynsl_places_a_client_again_once_it_is_measured() -> None:
+    # Round 1 knows only the prior (fast compute: cut 2); measured, the device computes
+    # slowly and cut 1 is far better. Round 2 is no re-plan round, yet the guess goes.
+    planner = DynSLPlanner(every=5)
+    cuts = [cut_cost(1, client_flops=1, server_flops=1), cut_cost(2, client_flops=4,
+                                                                  server_flops=0.1)]
+    guess = replace(client_state("a", flops=100.0), measured=False)
+    assert cuts_of(planner.plan(1, [guess], cuts, trunk_flops_per_s=1.0)) == {"a": 2}
+    slow = client_state("a", flops=0.5)
+    assert cuts_of(planner.plan(2, [slow], cuts, trunk_flops_per_s=1.0)) == {"a": 1}
+    # Measured, it keeps its cut between re-plans again, whatever it measures.
+    fast = client_state("a", flops=100.0)
+    assert cuts_of(planner.plan(3, [fast], cuts, trunk_flops_per_s=1.0)) == {"a": 1}
+
+
 def test_dynsl_reverts_moves_that_do_not_shorten_the_round() -> None:
     # A trunk per client. Both gain alone from cut 2 ("slow": 10 -> 3.5 s, "fast":
     # 2.4 -> 1.6 s), but "fast" stays under the round's 3.5 s either way: put back.
