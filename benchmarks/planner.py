@@ -193,8 +193,8 @@ def summarise(results: Sequence[RunResult], cuts: Sequence[int]) -> dict:
                 m: at_time[m] for m in ("smartsplit", RANDOM_SELECTION) if m in at_time},
             "max_memory_over_budget": max(r.max_memory_over_budget for r in mine),
             # How well each planner's cost model predicted the rounds the clock charged.
-            "plan_error": {m: summary for m in methods
-                           if (summary := plan_error_summary(
+            "plan_error": {m: errors for m in methods
+                           if (errors := plan_error_summary(
                                [r for r in mine if r.method == m]))},
         }
     return summary

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -46,7 +48,17 @@ def test_summary_reductions_and_accuracy_gaps() -> None:
     planners = {"greedy": [(0, 0.1), (6, 0.95), (12, 0.96)],
                 "smartsplit": [(0, 0.1), (3, 0.8), (4, 0.93), (7, 0.94), (10, 0.96)]}
     results = [at_budget(run(m, c), 10.0) for m, c in (uniform | planners).items()]
-    summary = summarise(results, cuts=[1, 2])["s"]
+    results[-1] = replace(results[-1], plan_errors=((1, 0.2), (2, -0.1)))
+    whole = summarise(results, cuts=[1, 2])
+    json.dumps(whole)  # the summary is written as JSON
+    summary = whole["s"]
+    errors = summary["plan_error"]  # only the planner that planned has them
+    assert list(errors) == ["smartsplit"] and errors["smartsplit"]["rounds"] == 2
+    assert errors["smartsplit"]["median_abs"] == pytest.approx(0.15)
+    assert errors["smartsplit"]["median_signed"] == pytest.approx(0.05)
+    assert math.isnan(errors["smartsplit"]["worst_abs_measured"])  # both rounds use the prior
+    assert summary["reduction_vs_best_uniform_by_planner"] == {
+        "greedy": pytest.approx(1 - 6 / 5), "smartsplit": pytest.approx(1 - 4 / 5)}
     assert summary["best_uniform"] == "cut=2" and summary["worst_uniform"] == "cut=1"
     assert summary["best_planner"] == "smartsplit"
     assert summary["reduction_vs_best_uniform"] == pytest.approx(1 - 4 / 5)
