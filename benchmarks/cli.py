@@ -98,7 +98,7 @@
 
 ``web-step``
     The web runtime's device step in headless Chromium on each TensorFlow.js backend
-    that starts (``cpu``, ``webgl``, ``webgpu``) against eager PyTorch on one thread, for
+    that starts (``cpu``, ``wasm``, ``webgl``, ``webgpu``) against eager PyTorch on one thread, for
     every model and cut it trains (``--models cnn lenet5 resnet``); see
     :mod:`benchmarks.web_step`.
 

@@ -35,7 +35,7 @@ BUNDLE = ROOT / "web" / "dist" / "device.js"
 SGD = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
 #: Model name -> (input channels, image size) as the zoo's small jobs train them.
 MODELS = {"cnn": (1, 8), "lenet5": (1, 28), "resnet": (3, 32)}
-BACKENDS = ("cpu", "webgl", "webgpu")
+BACKENDS = ("cpu", "wasm", "webgl", "webgpu")
 WARMUP, STEPS, BATCH = 5, 30, 32
 
 TIMED = f"""([d, o, x, g]) => {{

@@ -34,6 +34,8 @@ It prints the join URL and writes it as a QR code (``--qr``, PNG). The paths it 
 from __future__ import annotations
 
 import argparse
+import functools
+import gzip
 import hashlib
 import hmac
 import json
@@ -77,6 +79,18 @@ FILES = {"/": (WEB / "public" / "index.html", "text/html; charset=utf-8"),
 REFUSED = 4401
 #: Largest hello or small message a phone sends before it holds a place.
 MAX_HELLO_BYTES = 4096
+
+
+@functools.lru_cache(maxsize=8)
+def _file_body(file: Path, mtime_ns: int, *, gzipped: bool) -> bytes:
+    """Return a served file's bytes, gzipped where the browser takes them.
+
+    The page's bundle is 1.7 MB, 0.48 MB gzipped. Cached by modification time: compressed
+    once per build, not once per phone.
+    """
+    del mtime_ns  # part of the cache key only
+    body = file.read_bytes()
+    return gzip.compress(body, mtime=0) if gzipped else body
 
 
 class JoinRefused(Exception):
@@ -191,13 +205,16 @@ class Gateway:
         if path not in FILES:
             return connection.respond(HTTPStatus.NOT_FOUND, "not found\n")
         file, kind = FILES[path]
+        gzipped = "gzip" in request.headers.get("Accept-Encoding", "")
         try:
-            body = file.read_bytes()
+            body = _file_body(file, file.stat().st_mtime_ns, gzipped=gzipped)
         except OSError:
             return connection.respond(HTTPStatus.INTERNAL_SERVER_ERROR,
                                       f"{file.name} is missing: run `make web`\n")
         headers = Headers([("Content-Type", kind), ("Content-Length", str(len(body))),
-                           ("Cache-Control", "no-store")])
+                           ("Cache-Control", "no-store"), ("Vary", "Accept-Encoding")])
+        if gzipped:
+            headers["Content-Encoding"] = "gzip"
         return Response(HTTPStatus.OK, "OK", headers, body)
 
     def _serve(self, connection: ServerConnection) -> None:

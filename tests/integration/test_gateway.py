@@ -14,10 +14,13 @@ WebSocket over TLS, which the pages reach directly.
   with one shared trunk (the default, SplitFed v2) the batches interleave in arrival order,
   and two all-Python runs of the same seed already differ by 1.7 points after three rounds
   (0.858 to 0.875, measured), which would hide what is compared: the phones' arithmetic.
-- Then, on the same federation, the default job: a phone that closes its page mid-round is
-  ``lost`` and the round completes with the others; the page opened again rejoins as the
-  same node and trains the next round. A forged or expired join token is refused with its
-  reason, and so is a page that sends the gateway garbage.
+- Then, on the same federation, the default job with its cuts planned by DynSL each round
+  (``planner=dynsl``): a phone that closes its page mid-round is ``lost`` and the round
+  completes with the others; the page opened again rejoins as the same node and trains the
+  next rounds. The other phone's CPU is throttled 6x (the DevTools protocol's
+  ``Emulation.setCPUThrottlingRate``): from the times the phones measured, the planner gives
+  it a smaller cut than the phone that is not throttled. A forged or expired join token is
+  refused with its reason, and so is a page that sends the gateway garbage.
 """
 
 from __future__ import annotations
@@ -102,9 +105,7 @@ def start_gateway(processes: Processes, env, tmp_path: Path, *, port: int, ca: P
 def open_phone(chromium, url: str, *, context=None):  # noqa: ANN001, ANN201
     """A phone's page at ``url``: consented, connected (or turned away: see its state).
 
-    On TensorFlow.js's ``cpu`` backend: Chromium's WebGL here is SwiftShader, which costs
-    the shared CI host more CPU (both backends equal PyTorch: tests/integration/
-    test_web_step.py).
+    On the backend the page picks by itself: TensorFlow.js's ``wasm``, the fastest on a CPU.
     """
     context = context or chromium.new_context(**PHONE)
     page = context.new_page()
@@ -112,8 +113,9 @@ def open_phone(chromium, url: str, *, context=None):  # noqa: ANN001, ANN201
     page.on("websocket", lambda socket: socket.on("framereceived", lambda frame: (
         page.tasks.append('"inputs"' in frame)
         if isinstance(frame, str) and frame.startswith('{"task"') else None)))
-    page.goto(url + "&backend=cpu")
+    page.goto(url)
     page.wait_for_function("document.getElementById('backend').textContent !== '-'")
+    assert page.inner_text("#backend") == "wasm"
     if page.is_visible("#join"):  # a page that joined before goes on by itself
         page.click("#join")
     return page
@@ -217,10 +219,15 @@ def test_phones_train_as_python_devices_leave_mid_round_and_rejoin_as_the_same_n
     wait_for(lambda: "not joined: the join token expired" in state_of(late),
              "an expired token refused")
 
-    # 2. The default job: a phone's page closes a few batches into round 1.
-    leaving = phones[0]
+    # 2. The default job planned by DynSL: a phone's page closes a few batches into round 1;
+    # the other phone runs at a sixth of its CPU's speed.
+    leaving, throttled = phones
+    throttled.context.new_cdp_session(throttled).send("Emulation.setCPUThrottlingRate",
+                                                      {"rate": 6})
     run_dir = tmp_path / "faults"
-    run = start_run(run_dir, [*[o.format(n=3) for o in RUN], *tls_overrides(files)], env)
+    planned = [o.format(n=3) for o in RUN if not o.startswith("strategy.num_rounds")]
+    run = start_run(run_dir, [*planned, "strategy.num_rounds=3", "planner=dynsl",
+                              "planner.every=1", *tls_overrides(files)], env)
     wait_for(lambda: leaving.inner_text("#round") == "1" and batches_done(leaving) >= 3,
              "round 1 under way", timeout_s=300)
     context = leaving.context
@@ -233,6 +240,12 @@ def test_phones_train_as_python_devices_leave_mid_round_and_rejoin_as_the_same_n
     assert rows[("1", "1")]["status"] == "lost"
     assert "left mid-round" in rows[("1", "1")]["reason"]
     assert [rows[("1", p)]["status"] for p in "02"] == ["ok"] * 2  # the round completed
-    assert [rows[("2", p)]["status"] for p in "012"] == ["ok"] * 3
+    assert [rows[(r, p)]["status"] for r in "23" for p in "012"] == ["ok"] * 6
     assert rows[("2", "1")]["node_id"] == node_of["1"]  # the same node again
-    assert back.inner_text("#round") == "2"
+    assert back.inner_text("#round") == "3"
+    # Round 3 is planned from both phones' measured times (the one that left measured in
+    # round 2): the throttled phone trains fewer of the model's layers.
+    print("cuts by round (devices 0-2):",
+          [[rows[(r, p)].get("cut") for p in "012"] for r in "123"])
+    cuts = {p: int(rows[("3", p)]["cut"]) for p in "12"}
+    assert cuts["2"] < cuts["1"], cuts

@@ -9,8 +9,11 @@ gradient, and at the end the weights and buffers, must equal PyTorch's within
 ``max|web - torch| / max(max|torch|, 1e-6)``. PyTorch is computed here, never copied.
 
 The runtime is the bundle ``make web`` builds (web/dist/device.js), in Debian's Chromium
-(Playwright drives the system binary; it cannot download its own). TensorFlow.js's ``cpu``
-backend always runs; ``webgl`` where this Chromium gives it a context (SwiftShader).
+(Playwright drives the system binary; it cannot download its own). Every zoo model and cut
+on the backends a phone trains on: ``wasm`` (a page's first choice) and ``webgl`` where this
+Chromium gives it a context (SwiftShader); the other cases on the ``cpu`` backend too, the
+last a page falls back to (its plain JavaScript kernels take 10-18 times ``wasm``'s time:
+benchmarks/web_step.py, so the whole matrix on it would cost the test command a minute).
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ pytestmark = pytest.mark.serial
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLE = ROOT / "web" / "dist" / "device.js"
-BACKENDS = ("cpu", "webgl")
+BACKENDS = ("wasm", "webgl", "cpu")
+#: The backends a phone trains on, each through every model and cut.
+PHONE_BACKENDS = ("wasm", "webgl")
 #: No GPU; WebGL from SwiftShader, the software renderer Chromium ships.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--use-angle=swiftshader",
                  "--enable-unsafe-swiftshader", "--disable-dev-shm-usage"]
@@ -152,6 +157,7 @@ def run_beside_pytorch(page, bottom: nn.Module, input_shape: tuple[int, ...],
     return worst
 
 
+@pytest.mark.parametrize("page", PHONE_BACKENDS, indirect=True)
 @pytest.mark.parametrize(("model_name", "channels", "size", "cut"), CASES,
                          ids=[f"{m}-{s}px-cut{c}" for m, _, s, c in CASES])
 def test_the_web_step_trains_a_models_stages_as_pytorch(page, model_name, channels, size, cut):

@@ -11,6 +11,8 @@ tests/integration/test_gateway.py's.)
 from __future__ import annotations
 
 import copy
+import gzip
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from splitlearn.web import encode_tensor
 from tests.conftest import digits_like_model
 
 WEB = ["devices.web=true", "dataplane.websocket_port=0"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -223,6 +226,15 @@ def test_the_gateway_refuses_strangers_and_serves_only_its_page(tmp_path):
             with pytest.raises(ConnectionClosedError, match="not this gateway's"):
                 page.recv(timeout=5)
         assert urllib.request.urlopen(f"http://{base}/").status == 200
+        # The bundle travels gzipped to a browser that takes it, and as it is to one that not.
+        bundle = (ROOT / "web" / "dist" / "page.js").read_bytes()
+        asked = urllib.request.Request(f"http://{base}/page.js",
+                                       headers={"Accept-Encoding": "gzip, deflate"})
+        with urllib.request.urlopen(asked) as served:
+            assert served.headers["Content-Encoding"] == "gzip"
+            assert gzip.decompress(served.read()) == bundle
+        with urllib.request.urlopen(f"http://{base}/page.js") as served:
+            assert served.headers["Content-Encoding"] is None and served.read() == bundle
         for path in ("/etc/passwd", "/../web/package.json", "/relay.py"):
             with pytest.raises(urllib.error.HTTPError, match="404"):
                 urllib.request.urlopen(f"http://{base}{path}")

@@ -1,5 +1,6 @@
 // The bundle's entry: dist/device.js sets globalThis.splitlearnDevice.
 import * as tf from "@tensorflow/tfjs";
+import { setBackend } from "./backends";
 import { encodeValues, valuesOf } from "./codec";
 import {
   DeviceStages, FORMAT, Release, SgdOptions, StagesDescription, SUPPORTED,
@@ -7,18 +8,6 @@ import {
 import { trainBatch, trainUShapedBatch } from "./steps";
 import { TrunkRefused, TrunkSocket } from "./trunk";
 import * as wire from "./wire";
-
-/** Use a TensorFlow.js backend ("cpu", "webgl"); false if it does not initialise here. */
-async function setBackend(name: string): Promise<boolean> {
-  let ok = false;
-  try {
-    ok = await tf.setBackend(name);
-    await tf.ready();
-  } catch {
-    ok = false;
-  }
-  return ok && tf.getBackend() === name;
-}
 
 function load(description: StagesDescription, sgd: SgdOptions,
               release: Release | null = null): DeviceStages {

@@ -3,6 +3,7 @@
 // asks for against the trunk, and shows what it is doing. One WebSocket to the gateway
 // carries JSON (join, tasks, progress, results); the trunk gets its own, binary frames.
 import * as tf from "@tensorflow/tfjs";
+import { startBackend } from "./backends";
 import { float32FromBytes, fromBase64, Values } from "./codec";
 import { DeviceStages, Release, SgdOptions, StagesDescription, State } from "./stages";
 import { trainBatch, trainUShapedBatch } from "./steps";
@@ -241,10 +242,7 @@ function leave(): void {
 }
 
 async function start(): Promise<void> {
-  const backend = new URLSearchParams(location.search).get("backend");
-  if (backend) await tf.setBackend(backend);
-  await tf.ready();
-  view.set("backend", tf.getBackend());
+  view.set("backend", await startBackend(new URLSearchParams(location.search).get("backend")));
   view.get("join").addEventListener("click", () => {
     if (!view.get("status").hidden) return; // joined already (a second click)
     view.get("consent").hidden = true;
