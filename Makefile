@@ -43,7 +43,7 @@ unit:  ## fast, in-process tests on two workers
 	$(PYTEST) tests/unit -n 2
 
 integration:  ## one process each: the shipped apps, gRPC, worker processes
-	$(PYTEST) tests/integration -m "not serial" -n 2
+	$(PYTEST) tests/integration -m "not serial and not must_show" -n 2
 
 serial: web  ## Flower's engines, flwr run, a Ray cluster, Chromium; deployment files in own lanes
-	$(PYTEST) tests/integration -m serial -n 3 --dist loadgroup --durations=10
+	$(PYTEST) tests/integration -m "serial and not must_show" -n 3 --dist loadgroup --durations=10

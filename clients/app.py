@@ -59,11 +59,19 @@ from clients.relay import (
     WEB_RUNTIME,
     PhoneFailed,
     delegate,
+    holding,
 )
 from clients.secagg import clip_update, secaggplus_mod, secure_train_handler
 from clients.steps.base import ClientStep
 from clients.steps.executorch import client_step_type
-from clients.steps.web import finish_on_phone, phone_failure, phone_task, web_step_type
+from clients.steps.web import (
+    classes_seen,
+    finish_on_phone,
+    own_examples,
+    phone_failure,
+    phone_task,
+    web_step_type,
+)
 from protocols import PROTOCOLS, Protocol
 from splitlearn.config import RunSpec, decode_spec
 from splitlearn.data import client_dataset, describe_dataset, local_dataset
@@ -189,6 +197,7 @@ class ClientRound:
     deadline_s: float | None = None  # partial work: the round's deadline on the device's clock
     min_work: float = 1.0  # ... and the least share of its round it trains
     runtime: str = "eager"  # node config device-runtime: "web" for a phone (clients.gateway)
+    own_examples: int | None = None  # a phone training on its person's own pictures: how many
 
     @classmethod
     def read(cls, msg: Message, context: Context) -> ClientRound:
@@ -221,6 +230,7 @@ class ClientRound:
             max_steps=int(data.get("max_steps", 0)) or None,
             deadline_s=_positive_or_none(data.get("deadline_s", 0.0)),
             min_work=share_of_round(data.get("min_work", 1.0)), runtime=runtime,
+            own_examples=_phones_own_examples(node) if runtime == WEB_RUNTIME else None,
         )
 
     def proof(self) -> bytes | None:
@@ -262,8 +272,26 @@ class ClientRound:
 
         The data is the node's own (``data-path``), else its partition of the run's.
         Training and evaluation both see only the randomised labels, the same ones
-        every round (see :mod:`splitlearn.privacy.labels`).
+        every round (see :mod:`splitlearn.privacy.labels`). For a phone that trains on
+        its person's own pictures, which never leave it, the data is their count and shape
+        only (zeros): what the round's batches, privacy accounting and memory check need.
+
+        Raises
+        ------
+        DeviceFailure
+            A phone's own pictures under ``privacy.label_epsilon`` (their labels are
+            released on the phone, which randomises none).
         """
+        if self.own_examples is not None:
+            if self.spec.privacy.label_epsilon is not None:
+                raise DeviceFailure("privacy.label_epsilon randomises the labels the ClientApp "
+                                    "holds; this phone's own pictures and labels stay on it")
+            dataset = self.spec.dataset
+            shape = describe_dataset(dataset.name, image_size=dataset.image_size)
+            return TensorDataset(
+                torch.zeros(self.own_examples, shape.in_channels, shape.image_size,
+                            shape.image_size),
+                torch.zeros(self.own_examples, dtype=torch.long))
         return self._released_labels(self._raw_dataset())
 
     def _raw_dataset(self) -> TensorDataset:
@@ -352,6 +380,16 @@ def trunk_trust(spec: RunSpec, node_config: Mapping[str, object], *, address: st
     except OSError as err:
         raise TrunkRejected(f"{TRUNK_ROOTS_KEY}={path}: cannot read it ({err})") from err
     return replace(spec, trunk_tls=True, trunk_root_certificates=roots)
+
+
+def _phones_own_examples(node: Mapping[str, object]) -> int | None:
+    """Ask the gateway what this node's phone holds: its own pictures' count, or None."""
+    try:
+        held = holding(str(node.get(RELAY_KEY, "")), slot=int(node.get(SLOT_KEY, -1)),
+                       secret=str(node.get(SECRET_KEY, "")))
+    except PhoneFailed as failed:
+        raise phone_failure(failed) from failed
+    return own_examples(held)
 
 
 def _partition(context: Context) -> dict[str, int]:
@@ -552,9 +590,10 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
         started = time.perf_counter()  # the part of the round the virtual clock models
         if pacer is not None:  # the device first waits for its weights
             pacer.transfer(bytes_down=record_bytes(msg.content["arrays"]))
+        seen = None  # how many classes a phone's own pictures span
         if rnd.runtime == WEB_RUNTIME:  # the phone's page trains; the rest is as here
             channel, carried = None, 0
-            report = _train_on_phone(rnd, step, loader, context)
+            report, seen = _train_on_phone(rnd, step, loader, context)
         else:
             channel = (open_channel(rnd.trunk_address, rnd.token, spec, proof=rnd.proof())
                        if step.needs_channel else None)
@@ -588,7 +627,8 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
     # Where the handler's time went (the round's time budget): building the step, the
     # data and the privacy engine before training, then the whole handler.
     metrics["setup-s"] = started - entered
-    coverage = label_coverage(loader.dataset, step.model.num_classes)
+    coverage = (label_coverage(loader.dataset, step.model.num_classes) if seen is None
+                else seen / step.model.num_classes)
     for key, value in _fleet_metrics(plan, step, coverage).items():
         metrics[key] = value
     if spec.privacy.accounted:
@@ -611,14 +651,20 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
 
 
 def _train_on_phone(rnd: ClientRound, step: ClientStep, loader: DataLoader,
-                    context: Context) -> TrainReport:
-    """Hand the round to this node's phone through the gateway; its report (see clients.relay)."""
+                    context: Context) -> tuple[TrainReport, int | None]:
+    """Hand the round to this node's phone through the gateway (see clients.relay).
+
+    Returns its report and, for a phone training on its own pictures, how many classes
+    they span (None otherwise).
+    """
     node, spec = context.node_config, rnd.spec
     epochs = spec.strategy.local_epochs
     proof = rnd.proof()
     built: dict[str, Any] = {}
 
     def task(holds: str | None) -> dict[str, Any]:  # once the gateway says what it holds
+        if own_examples(holds) != rnd.own_examples:  # the round was built for other data
+            raise DeviceFailure("phone: its pictures changed since the round started")
         built.update(phone_task(
             step, rnd.protocol, loader, server_round=rnd.server_round, epochs=epochs,
             trunk={"url": rnd.trunk_address, "token": rnd.token,
@@ -635,11 +681,12 @@ def _train_on_phone(rnd: ClientRound, step: ClientStep, loader: DataLoader,
         raise phone_failure(failed) from failed
     done = finish_on_phone(step, built, result)
     examples, steps = int(done["examples"]), int(done["steps"])
-    return TrainReport(
+    report = TrainReport(
         examples=examples, steps=steps, loss=done["loss_sum"] / max(examples, 1),
         accuracy=done["correct"] / max(examples, 1), compute_s=done["compute_s"],
         wall_s=done["wall_s"], bytes_up=int(done["bytes_up"]), bytes_down=int(done["bytes_down"]),
         exchanges=steps * step.exchanges_per_batch, wait_s=done["wait_s"])
+    return report, classes_seen(built, result)
 
 
 @dataclass(frozen=True)
@@ -740,6 +787,9 @@ def label_coverage(data: TensorDataset, num_classes: int) -> float:
 def evaluate(rnd: ClientRound, msg: Message, context: Context, open_channel: ChannelFactory
              ) -> Message:
     """Evaluate the protocol's pipeline on this node's data (no update)."""
+    if rnd.own_examples is not None:
+        raise DeviceFailure("a phone's own pictures never leave it, and its page does not "
+                            "evaluate: it trains only")
     spec = rnd.spec
     floor = _privacy_floor(context, spec)
     torch.set_num_threads(spec.torch_threads)

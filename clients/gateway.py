@@ -10,7 +10,9 @@ to the phone through the gateway (:mod:`clients.relay`), the phone trains agains
 over its WebSocket service, and the ClientApp replies as any device's does. The ServerApp
 therefore samples, reports and accounts for a phone as for any node, under the node id of
 its slot's SuperNode, which stays up while the gateway runs: a phone that reloads its page
-or loses its network rejoins as the same node, with the place the page keeps.
+or loses its network rejoins as the same node, with the place the page keeps. A phone trains
+its slot's partition of the run's data, or its person's own labelled pictures, which stay on
+it (the page says which it holds; see :mod:`clients.steps.web`).
 
 Join tokens are signed by the gateway (HMAC-SHA256 with a secret it draws at start) and
 expire after ``--token-ttl`` seconds; a forged or expired one is refused, and so is a
@@ -79,6 +81,8 @@ FILES = {"/": (WEB / "public" / "index.html", "text/html; charset=utf-8"),
 REFUSED = 4401
 #: Largest hello or small message a phone sends before it holds a place.
 MAX_HELLO_BYTES = 4096
+#: Longest data id a phone may say it holds (a hash, or ``own:<n>:<hash>``).
+MAX_HELD_ID = 64
 
 
 @functools.lru_cache(maxsize=8)
@@ -290,8 +294,9 @@ class Gateway:
                 slot.place = None  # the place is free for another phone
             connection.close(1000, "left")
             return False
-        if "holds" in answer:
-            slot.holds = str(answer["holds"])
+        if "holds" in answer:  # an id the ClientApp reads (clients.steps.web.own_examples)
+            held = answer["holds"]
+            slot.holds = held if isinstance(held, str) and len(held) <= MAX_HELD_ID else None
         elif "result" in answer or "failed" in answer:
             slot.answers.put(answer)
         return True
@@ -340,6 +345,8 @@ class Gateway:
                                         "kind": "unavailable"}))
             return
         connection.send(json.dumps({"holds": slot.holds}))
+        if hello.get("ask") == "holds":  # only what the phone holds (clients.relay.holding)
+            return
         task = json.loads(connection.recv(timeout=60))
         connection.send(json.dumps(self._hand_over(slot, task)))
 

@@ -11,7 +11,9 @@ The gateway's answers, one JSON object per text frame:
 
 ``{"holds": id}``
     The answer to the hello: the id of the data the slot's phone holds (null: none). A
-    task for a phone that holds its data leaves the rows out.
+    task for a phone that holds its data leaves the rows out. An id ``own:<n>:<hash>`` is
+    the person's own ``n`` labelled pictures, which never leave the phone. A hello with
+    ``"ask": "holds"`` gets only this answer (:func:`holding`).
 ``{"progress": {...}}``
     The phone's batches so far (read for the timeout, not needed).
 ``{"result": {...}}``
@@ -51,6 +53,26 @@ class PhoneFailed(Exception):
     def __init__(self, reason: str, kind: str = "failed") -> None:
         super().__init__(reason)
         self.kind = kind
+
+
+def holding(url: str, *, slot: int, secret: str, timeout_s: float = 10.0) -> str | None:
+    """Return the id of the data the phone of ``slot`` holds now (None: none yet).
+
+    Raises
+    ------
+    PhoneFailed
+        The gateway cannot be reached, or no phone holds the slot (``unavailable``).
+    """
+    try:
+        with connect(url, open_timeout=timeout_s, close_timeout=2) as link:
+            link.send(json.dumps({"slot": slot, "secret": secret, "ask": "holds"}))
+            answer = json.loads(link.recv(timeout=timeout_s))
+    except (OSError, TimeoutError, ConnectionClosed) as err:
+        raise PhoneFailed(f"the gateway at {url} did not answer ({err})", "lost") from err
+    if "failed" in answer:
+        raise PhoneFailed(str(answer["failed"]), str(answer.get("kind", "failed")))
+    held = answer.get("holds")
+    return None if held is None else str(held)
 
 
 def delegate(url: str, *, slot: int, secret: str,

@@ -204,13 +204,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 #: the lane they name, every other file in the ``shared`` lane. The lanes are balanced by
 #: CPU, which bounds the phase (each test alone in a cgroup, 2026-12-05): deployment = the
 #: TLS deployment 327 CPU-s + the Ray cluster 82 + flwr run ~130; docs = the how-to 160 + the
-#: connect-a-device tutorial 110 + the connect-a-phone tutorial (97 s alone, 2026-12-06);
+#: connect-a-device tutorial 110 + the connect-a-phone tutorial (78 s alone, 2026-12-06) +
+#: a phone's own pictures (test_own_pictures.py, 27 s alone);
 #: shared = the tutorials 319 + the web runtime in Chromium (test_web_step.py, 67 s alone,
-#: more than one core) + the phones through the gateway (test_gateway.py, 235 s alone).
+#: more than one core) + the phones through the gateway (test_gateway.py, 193 s alone with a
+#: second round in its first run, 2026-12-06).
 LANES = {
     "tests/integration/test_deployment.py": "deployment",
     "tests/integration/test_ray_cluster.py": "deployment",
     "tests/integration/test_deployment_docs.py": "docs",
+    "tests/integration/test_own_pictures.py": "docs",
     "tests/integration/test_flwr_run.py": "deployment",
 }
 

@@ -26,7 +26,10 @@ The task (JSON):
     ``id`` (a hash of the rows and labels), ``shape`` and, unless the phone holds that id
     already (the gateway says which it holds), ``inputs`` (base64 float32) and ``labels``:
     the node's partition, labels released as :class:`clients.app.ClientRound` releases
-    them.
+    them. For a phone that trains on its person's own pictures (``own:<n>:<hash>``, see
+    :func:`own_examples`): ``id``, ``shape`` ``[n, C, H, W]``, ``own`` (true),
+    ``light_on_dark`` (the dataset's grey images are light on dark: the page inverts a
+    picture with a light border) and ``classes``; the rows stay on the phone.
 ``release``
     Under ``privacy=activation_gaussian``: ``clip_norm`` (C) and ``noise_std`` (sigma x C),
     what the head's output is released with (each row clipped to C, Gaussian noise added);
@@ -41,11 +44,13 @@ The task (JSON):
 The phone answers with ``states`` (one ``state()`` per part), and ``metrics``: ``steps``,
 ``examples``, ``loss_sum``, ``correct``, ``compute_s`` (its own time), ``wait_s`` (waiting
 for the trunk), ``wall_s``, ``bytes_up``, ``bytes_down``, ``peak_bytes`` (TensorFlow.js's
-largest allocation) and ``backend``. What it sends is checked as any device's reply is: the
-keys and shapes it was given, finite values, counts within the task.
+largest allocation) and ``backend``; with its own pictures also ``classes``, how many
+classes they span (the ClientApp's label coverage). What it sends is checked as any
+device's reply is: the keys and shapes it was given, finite values, counts within the task.
 
 Evaluation messages stay in the ClientApp (eager PyTorch, the same function, no update):
-the node's data is there too.
+the node's data is there too. A phone that trains on its own pictures is not evaluated
+(its ClientApp refuses: the pictures are on the phone only).
 """
 
 from __future__ import annotations
@@ -70,6 +75,10 @@ from splitlearn.web import WebRefusal, describe_stages, device_parts, state_from
 
 #: The task's format, checked by the page.
 TASK_FORMAT = "splitlearn.web.task/1"
+#: How a phone's data id says it holds its person's own pictures: ``own:<n>:<hash>``.
+OWN_PREFIX = "own:"
+#: Most pictures of its own a phone may train on (what its page keeps fits localStorage).
+MAX_OWN_EXAMPLES = 2000
 
 
 class PhoneLost(DeviceFailure):
@@ -115,6 +124,23 @@ def release_of(privacy: PrivacyConfig) -> dict[str, float] | None:
             "noise_std": privacy.noise_multiplier * privacy.clip_norm}
 
 
+def own_examples(held: str | None) -> int | None:
+    """Return how many pictures of its own a phone holds (None: it trains assigned data).
+
+    Raises
+    ------
+    DeviceFailure
+        The id says ``own:`` but not a count from 1 to :data:`MAX_OWN_EXAMPLES`.
+    """
+    if held is None or not held.startswith(OWN_PREFIX):
+        return None
+    count = held.split(":")[1] if held.count(":") == 2 else ""
+    if not (count.isascii() and count.isdigit() and 1 <= int(count) <= MAX_OWN_EXAMPLES):
+        raise DeviceFailure(f"phone: it says it holds {held[:40]!r}; own pictures are "
+                            f"own:<1 to {MAX_OWN_EXAMPLES}>:<hash>")
+    return int(count)
+
+
 def round_batches(loader: DataLoader, *, epochs: int, max_steps: int | None) -> list[list[int]]:
     """Return the round's batches as row indices, in the order the loop would train them.
 
@@ -151,12 +177,12 @@ def phone_task(step: ClientStep, protocol: Protocol, loader: DataLoader, *, serv
     except WebRefusal as refusal:
         raise DeviceFailure(f"devices.web: {refusal}") from refusal
     images, labels = loader.dataset.tensors[:2]  # type: ignore[attr-defined]
-    rows = images.detach().to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
-    label_list = [int(y) for y in labels]
-    digest = hashlib.sha256(rows + repr(label_list).encode()).hexdigest()[:32]
-    data: dict[str, Any] = {"id": digest, "shape": list(images.shape)}
-    if holds != digest:
-        data |= {"inputs": base64.b64encode(rows).decode("ascii"), "labels": label_list}
+    if own_examples(holds) is not None:  # ``loader`` holds only the pictures' shape
+        channels = images.shape[1]
+        data: dict[str, Any] = {"id": holds, "shape": list(images.shape), "own": True,
+                                "light_on_dark": channels == 1, "classes": model.num_classes}
+    else:
+        data = partition_data(images, labels, holds=holds)
     return {
         "format": TASK_FORMAT, "round": server_round, "cut": step.cut, "parts": parts,
         "sgd": {"lr": train.lr, "momentum": train.momentum, "weight_decay": train.weight_decay},
@@ -166,6 +192,18 @@ def phone_task(step: ClientStep, protocol: Protocol, loader: DataLoader, *, serv
         "release": release_of(step.spec.privacy),
         "deadline_s": deadline_s, "least_steps": least_steps,
     }
+
+
+def partition_data(images: torch.Tensor, labels: torch.Tensor, *, holds: str | None
+                   ) -> dict[str, Any]:
+    """Return the task's ``data`` for the node's partition: rows left out if ``holds`` them."""
+    rows = images.detach().to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
+    label_list = [int(y) for y in labels]
+    digest = hashlib.sha256(rows + repr(label_list).encode()).hexdigest()[:32]
+    data: dict[str, Any] = {"id": digest, "shape": list(images.shape)}
+    if holds != digest:
+        data |= {"inputs": base64.b64encode(rows).decode("ascii"), "labels": label_list}
+    return data
 
 
 def finish_on_phone(step: ClientStep, task: Mapping[str, Any], result: Mapping[str, Any]
@@ -190,6 +228,23 @@ def finish_on_phone(step: ClientStep, task: Mapping[str, Any], result: Mapping[s
         step.model.stages.load_state_dict(trained, strict=False)
     step.peak_memory_bytes = int(metrics["peak_bytes"])
     return metrics
+
+
+def classes_seen(task: Mapping[str, Any], result: Mapping[str, Any]) -> int | None:
+    """Return how many classes a phone's own pictures span (None: it trained assigned data).
+
+    Raises
+    ------
+    DeviceFailure
+        The count is not a whole number from 1 to the task's classes.
+    """
+    if not task["data"].get("own"):
+        return None
+    value = result.get("metrics", {}).get("classes") if isinstance(result, Mapping) else None
+    if not (isinstance(value, int) and 1 <= value <= task["data"]["classes"]):
+        raise DeviceFailure(f"phone: its result says its pictures span {value!r} classes; "
+                            f"the study has {task['data']['classes']}")
+    return value
 
 
 def _trained_state(task: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, torch.Tensor]:

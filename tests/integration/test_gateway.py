@@ -7,20 +7,24 @@ the join URL the gateway printed and consented. Python devices join beside them 
 ``clients.connect``. The run is ``flwr run`` with ``devices.web=true``; the trunk serves its
 WebSocket over TLS, which the pages reach directly.
 
-- Two phones and a Python device train the default job for two rounds: every phone has
+- Two phones and a Python device train the default job for a round: every phone has
   ``ok`` rows with its own node id, its bytes and its time per batch, and each device's
   training loss and the run's final accuracy are those of three Python devices with the
   same seed (in process). The job's trunk is one copy per device (``strategy=splitfed_v1``):
   with one shared trunk (the default, SplitFed v2) the batches interleave in arrival order,
   and two all-Python runs of the same seed already differ by 1.7 points after three rounds
   (0.858 to 0.875, measured), which would hide what is compared: the phones' arithmetic.
+  ``pytest -m must_show tests/integration/test_gateway.py`` runs the same check with three
+  phones and two Python devices for three rounds (not in the test command: its time).
 - Then, on the same federation, the default job with its cuts planned by DynSL each round
   (``planner=dynsl``): a phone that closes its page mid-round is ``lost`` and the round
   completes with the others; the page opened again rejoins as the same node and trains the
   next rounds. The other phone's CPU is throttled 6x (the DevTools protocol's
   ``Emulation.setCPUThrottlingRate``): from the times the phones measured, the planner gives
-  it a smaller cut than the phone that is not throttled. A forged or expired join token is
-  refused with its reason, and so is a page that sends the gateway garbage.
+  it a smaller cut than the phone that is not throttled. A page keeps its partition's rows
+  from run to run (its later tasks carry none); one opened again gets them once more. A
+  forged or expired join token is refused with its reason, and so is a page that sends the
+  gateway garbage.
 """
 
 from __future__ import annotations
@@ -147,8 +151,8 @@ def run_to_end(run_dir: Path, overrides: list[str], env, *, timeout_s: float = 5
     assert run.returncode == 0, output[-3000:]
 
 
-def python_devices_accuracy(tmp_path: Path, overrides: list[str]) -> float:
-    """Final accuracy of the same run with only Python devices, in process (the reference)."""
+def python_devices_result(tmp_path: Path, overrides: list[str]) -> dict:
+    """The last round of the same run with only Python devices, in process (the reference)."""
     cfg = compose_config(overrides)
     cfg.run_dir = str(tmp_path / "reference")
     runtime = start_runtime(cfg)
@@ -157,22 +161,86 @@ def python_devices_accuracy(tmp_path: Path, overrides: list[str]) -> float:
         run_training(grid, runtime)
     finally:
         stop_runtime(runtime)
-    return recorded_rounds(tmp_path / "reference")[-1]["test_accuracy"]
+    return recorded_rounds(tmp_path / "reference")[-1]
+
+
+def train_beside_python_devices(  # noqa: ANN001 - the fixtures' objects
+        deployment, chromium, tmp_path: Path, *, phones: int, devices: int, rounds: int,  # noqa: F811
+        ttl_s: float, epochs: int = 1) -> tuple[str, float, list, dict[str, str]]:
+    """``phones`` pages and ``devices`` Python devices train ``rounds`` rounds, checked.
+
+    Every row ``ok``, each phone its own node, its bytes and time per batch, its rows sent
+    with its first task only, and every device's training loss and the final accuracy
+    those of the same run with Python devices only. Returns the join URL, when its token
+    was issued, the pages and each phone partition's node id.
+    """
+    files, env, port, processes = deployment
+    count = phones + devices
+    keys = register_keys(env, tmp_path / "keys", [f"device{i}" for i in range(devices)])
+    for i, key in enumerate(keys):
+        start_python_device(processes, env, index=i, count=count, port=port, ca=files.ca,
+                            key=key, cache=tmp_path / f"cache{i}")
+    phone_keys = register_keys(env, tmp_path / "keys", [f"phone{i}" for i in range(phones)])
+    url = start_gateway(processes, env, tmp_path, port=port, ca=files.ca, keys=phone_keys,
+                        first=devices, partitions=count, ttl_s=ttl_s)
+    issued = time.time()
+    pages = [open_phone(chromium, url) for _ in range(phones)]
+    wait_connected(pages)
+    wait_for(lambda: len(online_nodes(env)) == count, f"{count} nodes online", timeout_s=90)
+
+    overrides = [o.format(n=count) for o in RUN
+                 if not o.startswith(("strategy.num_rounds", "strategy.local_epochs"))]
+    overrides += [f"strategy.num_rounds={rounds}", f"strategy.local_epochs={epochs}",
+                  "strategy=splitfed_v1"]
+    run_to_end(tmp_path / "run", [*overrides, *tls_overrides(files)], env)
+    rows = read_clients(tmp_path / "run")
+    assert [r["status"] for r in rows] == ["ok"] * count * rounds
+    phone_rows = [r for r in rows if int(r["partition_id"]) >= devices]
+    node_of = {r["partition_id"]: r["node_id"] for r in phone_rows}
+    assert len(set(node_of.values())) == phones
+    assert sorted(node_of) == [str(p) for p in range(devices, count)]
+    assert {(r["partition_id"], r["node_id"]) for r in phone_rows} == set(node_of.items())
+    for row in phone_rows:
+        assert row["profile"] == "mid_range_phone"
+        assert int(row["steps"]) == int(row["round_steps"]) > 0  # the whole round
+        assert int(row["bytes_up"]) > int(row["weights_bytes_up"]) > 0  # smashed data, over wss
+        assert float(row["compute_s"]) > 0 and float(row["peak_memory_bytes"]) > 0
+    assert [page.inner_text("#round") for page in pages] == [str(rounds)] * phones
+    # Each phone got its rows with its first task only: it held them after.
+    assert [page.tasks for page in pages] == [[True] + [False] * (rounds - 1)] * phones
+    # The phones trained their partitions' batches in a Python device's order, with the
+    # same arithmetic (within float32): Python devices in every place train alike.
+    reference = python_devices_result(tmp_path, overrides)
+    expected = {(r["round"], r["partition_id"]): float(r["train_loss"])
+                for r in read_clients(tmp_path / "reference")}
+    for row in rows:
+        loss = expected[(row["round"], row["partition_id"])]
+        assert float(row["train_loss"]) == pytest.approx(loss, rel=1e-3), row["partition_id"]
+    final = recorded_rounds(tmp_path / "run")[-1]
+    print(f"{phones} phones and {devices} Python devices, {rounds} rounds: final accuracy "
+          f"{final['test_accuracy']:.4f}, loss {final['test_loss']:.4f}; Python devices only: "
+          f"{reference['test_accuracy']:.4f}, {reference['test_loss']:.4f}")
+    assert abs(final["test_accuracy"] - reference["test_accuracy"]) <= 0.01 + 1e-9
+    # The model the phones' trained stages joined tests as the reference's does.
+    assert final["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-3)
+    return url, issued, pages, node_of
+
+
+@pytest.mark.must_show
+def test_three_phones_and_two_python_devices_train_three_rounds_as_five_python_devices(
+        deployment, chromium, tmp_path):  # noqa: F811
+    """The issue's own sizes, two local epochs as the default job (not in the test command)."""
+    train_beside_python_devices(deployment, chromium, tmp_path, phones=3, devices=2, rounds=3,
+                                ttl_s=3600, epochs=2)
 
 
 def test_phones_train_as_python_devices_leave_mid_round_and_rejoin_as_the_same_node(
         deployment, chromium, tmp_path):  # noqa: F811
-    files, env, port, processes = deployment
-    for i, key in enumerate(register_keys(env, tmp_path / "keys", ["device0"])):
-        start_python_device(processes, env, index=i, count=3, port=port, ca=files.ca, key=key,
-                            cache=tmp_path / f"cache{i}")
-    ttl_s = 30  # the phones join at once; the link has expired by the second run
-    phone_keys = register_keys(env, tmp_path / "keys", ["phone0", "phone1"])
-    url = start_gateway(processes, env, tmp_path, port=port, ca=files.ca, keys=phone_keys,
-                        first=1, partitions=3, ttl_s=ttl_s)
-    issued = time.time()
-    phones = [open_phone(chromium, url) for _ in range(2)]
-    wait_connected(phones)
+    files, env, _, _ = deployment
+    ttl_s = 30  # the phones join at once; the link has expired by the end of the second run
+    # 1. One round, every device: the phones train as Python devices do.
+    url, issued, phones, node_of = train_beside_python_devices(
+        deployment, chromium, tmp_path, phones=2, devices=1, rounds=1, ttl_s=ttl_s)
     # A forged token and a page that sends the gateway garbage are turned away by reason.
     forged = open_phone(chromium, url.replace("token=", "token=1"))
     wait_for(lambda: "not joined: the join token is not this gateway's" in state_of(forged),
@@ -183,41 +251,6 @@ def test_phones_train_as_python_devices_leave_mid_round_and_rejoin_as_the_same_n
         socket.onclose = (event) => done([event.code, event.reason]);
     })""", url.split("?")[0].replace("http", "ws") + "phone")
     assert closed == [4401, 'a hello is {"join": token}']
-    wait_for(lambda: len(online_nodes(env)) == 3, "3 nodes online", timeout_s=90)
-
-    # 1. Two rounds, every device in every round.
-    overrides = [o.format(n=3) for o in RUN] + ["strategy=splitfed_v1"]
-    run_to_end(tmp_path / "run", [*overrides, *tls_overrides(files)], env)
-    rows = read_clients(tmp_path / "run")
-    assert [r["status"] for r in rows] == ["ok"] * 6
-    phone_rows = [r for r in rows if int(r["partition_id"]) >= 1]
-    node_of = {r["partition_id"]: r["node_id"] for r in phone_rows}
-    assert len(set(node_of.values())) == 2 and sorted(node_of) == ["1", "2"]
-    assert {(r["partition_id"], r["node_id"]) for r in phone_rows} == set(node_of.items())
-    for row in phone_rows:
-        assert row["profile"] == "mid_range_phone"
-        assert int(row["steps"]) == int(row["round_steps"]) > 0  # the whole round
-        assert int(row["bytes_up"]) > int(row["weights_bytes_up"]) > 0  # smashed data, over wss
-        assert float(row["compute_s"]) > 0 and float(row["peak_memory_bytes"]) > 0
-    assert [phone.inner_text("#round") for phone in phones] == ["2"] * 2
-    # Each phone got its rows with its first task only: it held them after.
-    assert [phone.tasks for phone in phones] == [[True, False]] * 2
-    # The phones trained their partitions' batches in a Python device's order, with the
-    # same arithmetic (within float32): three Python devices train alike.
-    reference = python_devices_accuracy(tmp_path, overrides)
-    expected = {(r["round"], r["partition_id"]): float(r["train_loss"])
-                for r in read_clients(tmp_path / "reference")}
-    for row in rows:
-        loss = expected[(row["round"], row["partition_id"])]
-        assert float(row["train_loss"]) == pytest.approx(loss, rel=1e-3), row["partition_id"]
-    final = recorded_rounds(tmp_path / "run")[-1]["test_accuracy"]
-    assert abs(final - reference) <= 0.01 + 1e-9, (final, reference)
-
-    # Once the link has expired, a new phone is refused with that reason.
-    time.sleep(max(0.0, issued + ttl_s + 1 - time.time()))
-    late = open_phone(chromium, url)
-    wait_for(lambda: "not joined: the join token expired" in state_of(late),
-             "an expired token refused")
 
     # 2. The default job planned by DynSL: a phone's page closes a few batches into round 1;
     # the other phone runs at a sixth of its CPU's speed.
@@ -228,7 +261,7 @@ def test_phones_train_as_python_devices_leave_mid_round_and_rejoin_as_the_same_n
     planned = [o.format(n=3) for o in RUN if not o.startswith("strategy.num_rounds")]
     run = start_run(run_dir, [*planned, "strategy.num_rounds=3", "planner=dynsl",
                               "planner.every=1", *tls_overrides(files)], env)
-    wait_for(lambda: leaving.inner_text("#round") == "1" and batches_done(leaving) >= 3,
+    wait_for(lambda: state_of(leaving) == "training round 1" and batches_done(leaving) >= 3,
              "round 1 under way", timeout_s=300)
     context = leaving.context
     leaving.close()
@@ -243,6 +276,15 @@ def test_phones_train_as_python_devices_leave_mid_round_and_rejoin_as_the_same_n
     assert [rows[(r, p)]["status"] for r in "23" for p in "012"] == ["ok"] * 6
     assert rows[("2", "1")]["node_id"] == node_of["1"]  # the same node again
     assert back.inner_text("#round") == "3"
+    # A page keeps its rows from run to run; one opened again gets them once more.
+    assert throttled.tasks == [True, False, False, False]
+    assert back.tasks == [True, False]
+
+    # The link has expired by now: a new phone is refused with that reason.
+    time.sleep(max(0.0, issued + ttl_s + 1 - time.time()))
+    late = open_phone(chromium, url)
+    wait_for(lambda: "not joined: the join token expired" in state_of(late),
+             "an expired token refused")
     # Round 3 is planned from both phones' measured times (the one that left measured in
     # round 2): the throttled phone trains fewer of the model's layers.
     print("cuts by round (devices 0-2):",

@@ -21,7 +21,13 @@ from torch.utils.data import TensorDataset
 from clients.device import DeviceFailure
 from clients.gateway import JoinRefused, JoinTokens
 from clients.loop import epoch_loader
-from clients.steps.web import finish_on_phone, phone_task, web_step_type
+from clients.steps.web import (
+    classes_seen,
+    finish_on_phone,
+    own_examples,
+    phone_task,
+    web_step_type,
+)
 from protocols import PROTOCOLS, check_config, compose_config, protocol_named
 from splitlearn.config import PrivacyConfig, RunSpec
 from splitlearn.web import encode_tensor
@@ -179,6 +185,33 @@ def test_a_non_finite_trained_weight_loads_nothing():
     assert all(torch.equal(before[k], v) for k, v in step.state().items())
 
 
+def test_a_phone_with_its_own_pictures_gets_a_task_without_rows_and_counts_its_classes():
+    step, spec = split_step()
+    task = task_for(step, spec, holds="own:50:0a1b2c3d")
+    assert task["data"] == {"id": "own:50:0a1b2c3d", "shape": [50, 1, 8, 8], "own": True,
+                            "light_on_dark": True, "classes": 10}
+    assert sorted(i for batch in task["batches"][:2] for i in batch) == list(range(50))
+    assert classes_seen(task, phone_result(task, classes=7)) == 7
+    for claimed in (0, 11, 2.5, "7", None):  # beyond the study's classes, or not a count
+        with pytest.raises(DeviceFailure, match="span"):
+            classes_seen(task, phone_result(task, classes=claimed))
+    assert classes_seen(task_for(step, spec), phone_result(task)) is None  # assigned data
+
+
+@pytest.mark.parametrize(("held", "count"), [
+    (None, None), ("0123abcd" * 4, None), ("own:1:00000000", 1), ("own:2000:ffffffff", 2000),
+])
+def test_what_a_phone_holds_says_whether_it_trains_its_own_pictures(held, count):
+    assert own_examples(held) == count
+
+
+@pytest.mark.parametrize("held", ["own:0:00", "own:2001:00", "own:-3:00", "own:ten:00",
+                                  "own:5", "own:5:a:b", "own::", "own:\u00b2:00", "own: 5:00"])
+def test_a_phone_claiming_no_or_too_many_pictures_is_refused(held):
+    with pytest.raises(DeviceFailure, match="own pictures are own:<1 to 2000>"):
+        own_examples(held)
+
+
 def test_join_tokens_are_the_gateways_own_and_expire():
     tokens = JoinTokens(ttl_s=60)
     token = tokens.issue(now=1000.0)
@@ -201,7 +234,7 @@ def test_the_gateway_refuses_strangers_and_serves_only_its_page(tmp_path):
     from websockets.sync.client import connect
 
     from clients.gateway import Gateway, parse_args
-    from clients.relay import PhoneFailed, delegate
+    from clients.relay import PhoneFailed, delegate, holding
 
     gateway = Gateway(parse_args(["--superlink", "127.0.0.1:1", "--insecure", "--phones", "1",
                                   "--port", "0", "--logs", str(tmp_path)]))
@@ -220,6 +253,9 @@ def test_the_gateway_refuses_strangers_and_serves_only_its_page(tmp_path):
         with pytest.raises(PhoneFailed, match="no phone holds place 0") as failed:
             delegate(f"ws://{base}/relay", slot=0, secret=gateway.relay_secret,
                      task=lambda holds: {"data": {}}, timeout_s=5)
+        assert failed.value.kind == "unavailable"
+        with pytest.raises(PhoneFailed, match="no phone holds place 0") as failed:
+            holding(f"ws://{base}/relay", slot=0, secret=gateway.relay_secret, timeout_s=5)
         assert failed.value.kind == "unavailable"
         with connect(f"ws://{base}/phone") as page:  # a page without a token
             page.send(json.dumps({"join": "1.2.3"}))

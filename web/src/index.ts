@@ -5,6 +5,7 @@ import { encodeValues, valuesOf } from "./codec";
 import {
   DeviceStages, FORMAT, Release, SgdOptions, StagesDescription, SUPPORTED,
 } from "./stages";
+import { pictureValues, picturesId } from "./pictures";
 import { trainBatch, trainUShapedBatch } from "./steps";
 import { TrunkRefused, TrunkSocket } from "./trunk";
 import * as wire from "./wire";
@@ -27,6 +28,11 @@ const api = {
   trainUShapedBatch,
   TrunkRefused,
   wire,
+  /** A picture ({label, size, rgba}) as the run's input (web/src/pictures.ts). */
+  pictureValues: (picture: { label: number; size: number; rgba: number[] }, channels: number,
+                  size: number, lightOnDark: boolean) => Array.from(pictureValues(
+    { ...picture, rgba: new Uint8ClampedArray(picture.rgba) }, channels, size, lightOnDark)),
+  picturesId,
   backend: () => tf.getBackend(),
   version: () => tf.version.tfjs,
   tf,

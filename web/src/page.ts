@@ -4,7 +4,8 @@
 // carries JSON (join, tasks, progress, results); the trunk gets its own, binary frames.
 import * as tf from "@tensorflow/tfjs";
 import { startBackend } from "./backends";
-import { float32FromBytes, fromBase64, Values } from "./codec";
+import { float32FromBytes, fromBase64, toBase64, Values } from "./codec";
+import { Picture, picturesData, picturesId, readPicture } from "./pictures";
 import { DeviceStages, Release, SgdOptions, StagesDescription, State } from "./stages";
 import { trainBatch, trainUShapedBatch } from "./steps";
 import { TrunkRefused, TrunkSocket } from "./trunk";
@@ -12,6 +13,10 @@ import { TrunkRefused, TrunkSocket } from "./trunk";
 const TASK_FORMAT = "splitlearn.web.task/1";
 /** localStorage key of this phone's place at the gateway (kept to rejoin as the same node). */
 const DEVICE_KEY = "splitlearn-device";
+/** localStorage key of the person's own pictures and labels (kept across reloads). */
+const PICTURES_KEY = "splitlearn-pictures";
+/** Most pictures a phone trains on (clients/steps/web.py: MAX_OWN_EXAMPLES). */
+const MAX_PICTURES = 2000;
 const RETRY_MS = 3000;
 /** Batches of a round whose memory is measured (tf.profile costs time on each one). */
 const MEASURED_BATCHES = 3;
@@ -23,7 +28,8 @@ interface Task {
   parts: StagesDescription[];
   sgd: SgdOptions;
   trunk: { url: string; token: string; proof: string | null };
-  data: { id: string; shape: number[]; inputs?: string; labels?: number[] };
+  data: { id: string; shape: number[]; inputs?: string; labels?: number[]; own?: boolean;
+          light_on_dark?: boolean; classes?: number };
   batches: number[][];
   release: Release | null;
   deadline_s: number | null;
@@ -47,6 +53,8 @@ const view = {
 
 let gateway: WebSocket | null = null;
 let data: Data | null = null;
+/** The person's own pictures, when they chose to train on them (null: the assigned data). */
+let pictures: Picture[] | null = null;
 let leaving = false;
 let busy = false;
 
@@ -72,10 +80,24 @@ function formatBytes(bytes: number): string {
   return `${(bytes / 1024 ** 2).toFixed(1)} MiB`;
 }
 
+/** The id of the data this phone trains on (null: none yet). */
+function heldId(): string | null {
+  return pictures ? picturesId(pictures) : data?.id ?? null;
+}
+
 /** Keep the task's data (sent once per phone and partition), or check the one held. */
 function takeData(task: Task): Data {
   const given = task.data;
-  if (given.inputs !== undefined && given.labels !== undefined) {
+  if (given.own) { // the person's pictures, in the run's input format (built once)
+    if (!pictures || picturesId(pictures) !== given.id) {
+      throw new Error("the task's pictures are not the ones on this phone");
+    }
+    if (data?.id !== given.id) {
+      const { rows, labels } = picturesData(pictures, given.shape, given.light_on_dark ?? false,
+                                            given.classes ?? 0);
+      data = { id: given.id, shape: given.shape, rows, labels };
+    }
+  } else if (given.inputs !== undefined && given.labels !== undefined) {
     const decoded = encodedRows(given.shape, given.inputs);
     data = { id: given.id, shape: given.shape, rows: decoded, labels: given.labels };
     send({ holds: given.id });
@@ -148,10 +170,13 @@ async function runTask(task: Task): Promise<object> {
       progress(task, tally, batchS, trunk.bytesUp);
     }
     const states: State[] = parts.map((part) => part.state());
+    // With its own pictures, how many classes they span (the ClientApp cannot count them).
+    const classes = task.data.own ? { classes: new Set(held.labels).size } : {};
     return {
       states,
       metrics: { ...tally, wait_s: trunk.waitS, wall_s: (performance.now() - started) / 1000,
-                 bytes_up: trunk.bytesUp, bytes_down: trunk.bytesDown, backend: tf.getBackend() },
+                 bytes_up: trunk.bytesUp, bytes_down: trunk.bytesDown, backend: tf.getBackend(),
+                 ...classes },
     };
   } finally {
     trunk?.close();
@@ -205,9 +230,11 @@ function connect(): void {
     const message = JSON.parse(String(event.data));
     if (message.joined) {
       localStorage.setItem(DEVICE_KEY, message.joined.device);
-      view.set("node", `place ${message.joined.slot}, data share ${message.joined.partition}`);
+      view.set("node", `place ${message.joined.slot}, ` + (pictures
+        ? `${pictures.length} own pictures` : `data share ${message.joined.partition}`));
       showState("connected; waiting for a round");
-      if (data) send({ holds: data.id });
+      const held = heldId();
+      if (held) send({ holds: held });
     } else if (message.task) {
       if (busy) send({ failed: "this phone is still training the last round" });
       else void onTask(message.task as Task);
@@ -241,10 +268,93 @@ function leave(): void {
   (view.get("leave") as HTMLButtonElement).disabled = true;
 }
 
+/** The pictures kept on this phone (an empty list if none, or unreadable). */
+function keptPictures(): Picture[] {
+  try {
+    const kept = JSON.parse(localStorage.getItem(PICTURES_KEY) ?? "[]") as
+      { label: number; size: number; rgba: string }[];
+    return kept.map((p) => ({ label: p.label, size: p.size,
+                              rgba: new Uint8ClampedArray(fromBase64(p.rgba)) }));
+  } catch {
+    return [];
+  }
+}
+
+/** Keep the pictures for a reload; false if the browser's storage for the page is full. */
+function keepPictures(chosen: Picture[]): boolean {
+  try {
+    localStorage.setItem(PICTURES_KEY, JSON.stringify(chosen.map((p) => (
+      { label: p.label, size: p.size, rgba: toBase64(new Uint8Array(p.rgba.buffer)) }))));
+    return true;
+  } catch { // QuotaExceededError: about 900 pictures fit the usual 5 MB
+    localStorage.removeItem(PICTURES_KEY);
+    return false;
+  }
+}
+
+/** "12 pictures: label 0 x3, label 1 x9" (no line break inside one label's count) */
+function describePictures(chosen: Picture[]): string {
+  if (!chosen.length) return "No pictures yet.";
+  const counts = new Map<number, number>();
+  chosen.forEach((p) => counts.set(p.label, (counts.get(p.label) ?? 0) + 1));
+  const byLabel = [...counts].sort((a, b) => a[0] - b[0])
+    .map(([l, n]) => `label\u00a0${l}\u00a0\u00d7${n}`);
+  return `${chosen.length} picture${chosen.length === 1 ? "" : "s"}: ${byLabel.join(", ")}`;
+}
+
+/** The consent panel's choice of data: the assigned share, or the person's own pictures. */
+function setUpPictures(): { ownChosen: () => boolean; chosen: () => Picture[] } {
+  let chosen = keptPictures();
+  const own = view.get("own-source") as HTMLInputElement;
+  const panel = view.get("own");
+  const show = () => {
+    panel.hidden = !own.checked;
+    view.set("own-count", describePictures(chosen));
+  };
+  document.querySelectorAll('input[name="source"]').forEach((radio) =>
+    radio.addEventListener("change", show));
+  view.get("pictures").addEventListener("change", async () => {
+    const input = view.get("pictures") as HTMLInputElement;
+    const label = Number((view.get("label") as HTMLInputElement).value);
+    if (!(Number.isInteger(label) && label >= 0)) {
+      view.set("own-count", "A label is a whole number from 0.");
+      return;
+    }
+    for (const file of Array.from(input.files ?? [])) {
+      if (chosen.length >= MAX_PICTURES) break;
+      chosen.push(await readPicture(file, label));
+    }
+    input.value = "";
+    const kept = keepPictures(chosen);
+    show();
+    const told = describePictures(chosen);
+    if (chosen.length >= MAX_PICTURES) view.set("own-count", `${told} (the most a phone trains on)`);
+    if (!kept) {
+      view.set("own-count", `${told} (kept until this page closes: the browser's storage is full)`);
+    }
+  });
+  view.get("clear").addEventListener("click", () => {
+    chosen = [];
+    localStorage.removeItem(PICTURES_KEY);
+    show();
+  });
+  own.checked = chosen.length > 0;
+  show();
+  return { ownChosen: () => own.checked, chosen: () => chosen };
+}
+
 async function start(): Promise<void> {
   view.set("backend", await startBackend(new URLSearchParams(location.search).get("backend")));
+  const choice = setUpPictures();
   view.get("join").addEventListener("click", () => {
     if (!view.get("status").hidden) return; // joined already (a second click)
+    if (choice.ownChosen()) {
+      if (!choice.chosen().length) {
+        view.set("own-count", "Add at least one picture, or train on the assigned examples.");
+        return;
+      }
+      pictures = choice.chosen().slice();
+    }
     view.get("consent").hidden = true;
     view.get("status").hidden = false;
     connect();
