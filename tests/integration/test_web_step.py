@@ -5,7 +5,9 @@ Chromium and runs the split step's device side ten times beside PyTorch: the sam
 batch and the same random gradient at the cut each step on both sides, SGD with momentum
 0.5 and weight decay 1e-4. Every step the activations at the cut and every parameter's
 gradient, and at the end the weights and buffers, must equal PyTorch's within
-``TOLERANCE``, relative to the reference tensor's largest value:
+``TOLERANCE``, relative to the reference tensor's largest value (and, for each zoo model's
+U-shaped tail, the loss the tail computes, its gradient at the tail's input and the weights
+after ten steps):
 ``max|web - torch| / max(max|torch|, 1e-6)``. PyTorch is computed here, never copied.
 
 The runtime is the bundle ``make web`` builds (web/dist/device.js), in Debian's Chromium
@@ -29,6 +31,7 @@ from playwright.sync_api import Error as PlaywrightError
 from playwright.sync_api import sync_playwright
 from torch import nn
 
+from protocols import protocol_named
 from splitlearn.models import build_model
 from splitlearn.privacy.mechanism import clip_per_sample
 from splitlearn.stages import split
@@ -166,6 +169,53 @@ def test_the_web_step_trains_a_models_stages_as_pytorch(page, model_name, channe
     bottom = copy.deepcopy(split(model, cut)[0]).train()
     worst = run_beside_pytorch(page, bottom, model.input_shape, seed=cut)
     print(f"{page.evaluate('splitlearnDevice.backend()')} {model_name} cut {cut}: {worst}")
+    assert max(worst.values()) < TOLERANCE, worst
+
+
+#: (model, in_channels, image_size): each zoo model the runtime trains, for its U-shaped tail.
+TAILS = [("cnn", 1, 8), ("lenet5", 1, 28), ("resnet", 3, 32)]
+
+
+@pytest.mark.parametrize("page", PHONE_BACKENDS, indirect=True)
+@pytest.mark.parametrize(("model_name", "channels", "size"), TAILS,
+                         ids=[f"{m}-{s}px" for m, _, s in TAILS])
+def test_the_ushaped_tail_computes_the_loss_and_trains_as_pytorch(page, model_name, channels,
+                                                                 size):
+    """The U-shaped step's own part: the tail's loss, its input gradient (what goes back to
+    the trunk) and ten SGD steps, on the features the trunk would send."""
+    model = build_model(model_name, in_channels=channels, image_size=size, num_classes=10,
+                        seed=0)
+    protocol = protocol_named("ushaped")
+    first = protocol.first_tail_stage(protocol.options(), model.num_stages)
+    tail = copy.deepcopy(nn.Sequential(*list(model.stages)[first:])).train()
+    features = tuple(model.cut_shape(first))
+    page.evaluate("([d, o]) => { globalThis.dev?.dispose(); "
+                  "globalThis.dev = splitlearnDevice.load(d, o); }",
+                  [describe_stages(tail, features), SGD])
+    optimizer = torch.optim.SGD(tail.parameters(), **SGD)
+    g = torch.Generator().manual_seed(first)
+    worst = {"loss": 0.0, "input gradient": 0.0, "weights": 0.0}
+    for _ in range(STEPS):
+        x = torch.randn(BATCH, *features, generator=g).requires_grad_()
+        y = torch.randint(0, 10, (BATCH,), generator=g)
+        web = page.evaluate("""([x, y]) => { dev.forward(x); const r = dev.lossBackward(y);
+            dev.step(); return {loss: r.loss, correct: r.correct,
+                                grad: splitlearnDevice.encode(r.inputGrad)}; }""",
+                            [encode_tensor(x.detach()), y.tolist()])
+        optimizer.zero_grad()
+        logits = tail(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        loss.backward()
+        optimizer.step()
+        worst["loss"] = max(worst["loss"], abs(web["loss"] - loss.item()) / loss.item())
+        worst["input gradient"] = max(worst["input gradient"],
+                                      relative(decode_tensor(web["grad"]), x.grad))
+        assert web["correct"] == int((logits.argmax(1) == y).sum())
+    web_state = state_from_web(page.evaluate("() => dev.state()"))
+    for name, value in tail.state_dict().items():
+        if value.is_floating_point():
+            worst["weights"] = max(worst["weights"], relative(web_state[name], value))
+    print(f"{page.evaluate('splitlearnDevice.backend()')} {model_name} tail: {worst}")
     assert max(worst.values()) < TOLERANCE, worst
 
 

@@ -23,9 +23,15 @@ from splitlearn.web import describe_stages, state_from_web
 from splitlearn.web import encode_tensor as web_tensor
 from tests.conftest import digits_like_model, fixed_batches
 from tests.helpers import train_whole
-from tests.integration.test_web_step import TOLERANCE, browser, page  # noqa: F401 - fixtures
+from tests.integration.test_web_step import (  # noqa: F401 - fixtures
+    PHONE_BACKENDS,
+    TOLERANCE,
+    browser,
+    page,
+)
 
-pytestmark = pytest.mark.serial
+# On the backends a phone trains on (the cpu backend's arithmetic: test_web_step.py).
+pytestmark = [pytest.mark.serial, pytest.mark.parametrize("page", PHONE_BACKENDS, indirect=True)]
 
 LR = 0.1
 STEPS = 10
