@@ -194,15 +194,20 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
     config["devices"]["host_flops_per_s"] = spec.devices.host_flops_per_s  # as measured
     config["devices"]["host_flops_by_cut"] = dict(spec.devices.host_flops_by_cut)
     sinks.log_config(config)
-    planning = make_planning(cfg, trunk)
+    planning = make_planning(cfg, trunk, resuming=resumed is not None)
     return SplitRuntime(
         cfg, protocol, spec, run_dir, trunk, handler, tokens, endpoint, service, sinks, fleet,
         planning, resumed, workers, websocket,
     )
 
 
-def make_planning(cfg: DictConfig, trunk: Trunk) -> CutPlanning | None:
-    """Build the planner's server side for an adaptive ``planner``, with the cut table."""
+def make_planning(cfg: DictConfig, trunk: Trunk, *, resuming: bool = False
+                  ) -> CutPlanning | None:
+    """Build the planner's server side for an adaptive ``planner``, with the cut table.
+
+    The trunk's step is timed at every cut, unless the run is ``resuming``: its checkpoint
+    holds the steps timed when it started (:meth:`CutPlanning.restore` puts them back).
+    """
     settings: PlannerConfig = to_object(cfg.planner)
     if not settings.adaptive:
         return None
@@ -238,11 +243,12 @@ def make_planning(cfg: DictConfig, trunk: Trunk) -> CutPlanning | None:
         smoothing=settings.smoothing, trunk_of=trunk_of_run(cfg),
         # The trunk's step at every cut, measured here: the shape of its cost over cuts
         # until the rounds measure it in place.
-        trunk_steps=[(1.0, cfg.strategy.batch_size * c.server_flops_per_sample,
-                      measure_trunk_step_s(trunk.model, c.cut, end=tail_cut,
-                                           batch_size=cfg.strategy.batch_size,
-                                           threads=cfg.engine.torch_threads))
-                     for c in costs],
+        trunk_steps=[] if resuming else [
+            (1.0, cfg.strategy.batch_size * c.server_flops_per_sample,
+             measure_trunk_step_s(trunk.model, c.cut, end=tail_cut,
+                                  batch_size=cfg.strategy.batch_size,
+                                  threads=cfg.engine.torch_threads))
+            for c in costs],
     )
 
 

@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 UNLIMITED = float("inf")
 #: Rounds of trunk work the trunk's cost is fitted to (with the steps measured before).
 TRUNK_ROUNDS = 8
+#: Rounds whose plans are kept: a round's report reads its plan once the round has ended
+#: (older ones would only grow the checkpoint, a plan per round of a long run).
+KEPT_PLANS = 4
 #: Batches per epoch an unmeasured client is assumed to hold (a nominal figure: its data
 #: size is its own; the first reply measures it).
 PRIOR_BATCHES_PER_EPOCH = 8
@@ -115,7 +118,7 @@ class CutPlanning:
         self.trunk_flops_per_s = math.inf
         self._fit_trunk()
         self.monitor = ClientMonitor(alpha=smoothing)
-        self.plans: dict[int, Plan] = {}  # by server round, for the reports
+        self.plans: dict[int, Plan] = {}  # by server round, the last KEPT_PLANS, for the reports
         # Each round's predicted device rounds, to predict the round of those that finished.
         self._played: dict[int, dict[str, DeviceRound]] = {}
         self._planned_rounds = 0
@@ -158,6 +161,9 @@ class CutPlanning:
         plan = replace(plan, round_s=round_seconds(list(played.values())))
         self.plans[server_round] = plan
         self._played[server_round] = played
+        for old in [r for r in self.plans if r <= server_round - KEPT_PLANS]:
+            self.plans.pop(old)  # what the reports and the predictions still read
+            self._played.pop(old, None)
         if plan.excluded:
             log.info("round %d: planner left out %s", server_round, plan.excluded)
         self._given |= {a.client: a.cut for a in plan.assignments}

@@ -12,10 +12,12 @@ after ten steps):
 
 The runtime is the bundle ``make web`` builds (web/dist/device.js), in Debian's Chromium
 (Playwright drives the system binary; it cannot download its own). Every zoo model and cut
-on the backends a phone trains on: ``wasm`` (a page's first choice) and ``webgl`` where this
-Chromium gives it a context (SwiftShader); the other cases on the ``cpu`` backend too, the
-last a page falls back to (its plain JavaScript kernels take 10-18 times ``wasm``'s time:
-benchmarks/web_step.py, so the whole matrix on it would cost the test command a minute).
+on ``wasm``, the backend a phone's page starts on; the U-shaped tails and the trunk tests
+(test_web_trunk.py) on ``webgl`` too, where this Chromium gives it a context (SwiftShader);
+the mixed stage, the refusal and the privacy cases on every backend, ``cpu`` included (the
+last a page falls back to). The whole matrix on ``cpu`` and SwiftShader's ``webgl`` would
+cost the test command about two minutes on two cores: their kernels take 6-18 times
+``wasm``'s time (benchmarks/web_step.py).
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ pytestmark = pytest.mark.serial
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLE = ROOT / "web" / "dist" / "device.js"
 BACKENDS = ("wasm", "webgl", "cpu")
-#: The backends a phone trains on, each through every model and cut.
+#: The backend a phone's page starts on, through every model and cut.
+MATRIX_BACKENDS = ("wasm",)
+#: The backends a phone with WebAssembly or a GPU trains on.
 PHONE_BACKENDS = ("wasm", "webgl")
 #: No GPU; WebGL from SwiftShader, the software renderer Chromium ships.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--use-angle=swiftshader",
@@ -160,7 +164,7 @@ def run_beside_pytorch(page, bottom: nn.Module, input_shape: tuple[int, ...],
     return worst
 
 
-@pytest.mark.parametrize("page", PHONE_BACKENDS, indirect=True)
+@pytest.mark.parametrize("page", MATRIX_BACKENDS, indirect=True)
 @pytest.mark.parametrize(("model_name", "channels", "size", "cut"), CASES,
                          ids=[f"{m}-{s}px-cut{c}" for m, _, s, c in CASES])
 def test_the_web_step_trains_a_models_stages_as_pytorch(page, model_name, channels, size, cut):

@@ -35,7 +35,7 @@ from splitlearn.planning.cost import Assignment
 from splitlearn.planning.devices import DeviceProfile, apply_traces
 from splitlearn.planning.planners import RotatePlanner, SmartSplitPlanner
 from splitlearn.stages import bottom_state
-from strategies.adaptive import CutPlanning, prior_state
+from strategies.adaptive import KEPT_PLANS, CutPlanning, prior_state
 from strategies.splitfed import DataPlaneAccess, SplitFed
 from tests.conftest import digits_like_model
 from tests.helpers import ScriptedGrid
@@ -340,3 +340,32 @@ def test_a_trunk_step_is_timed_on_a_copy_of_the_trunks_stages():
     for cut, end in ((1, None), (2, None), (1, 3)):  # end: a U-shaped trunk's last stage
         assert measure_trunk_step_s(model, cut, end=end, batch_size=4, min_seconds=0.0) > 0
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_the_planner_keeps_the_last_rounds_plans_not_one_per_round_of_the_run():
+    _, _, _, planning = make_splitfed(RotatePlanner())
+    for server_round in range(1, 31):
+        planning.assign(server_round, [11, 12, 13])
+        assert planning.plans[server_round].assignments  # the round's report reads it
+        assert planning.predicted_round_s(server_round, {"11", "12", "13"}) is not None
+    assert sorted(planning.plans) == list(range(31 - KEPT_PLANS, 31))
+    assert len(planning.checkpoint()["plans"]) == KEPT_PLANS
+
+
+def test_a_resumed_run_takes_the_trunk_steps_timed_when_it_started(monkeypatch):
+    import server.app
+
+    timed: list[int] = []
+    measure = server.app.measure_trunk_step_s  # timed for real; each call recorded
+    monkeypatch.setattr(server.app, "measure_trunk_step_s",
+                        lambda model, cut, **kw: timed.append(cut) or measure(model, cut, **kw))
+    cfg = compose_config(["planner=dynsl"])
+    trunk = Trunk(build_model_from_config(cfg.model, cfg.dataset), lr=0.05)
+    started = server.app.make_planning(cfg, trunk)
+    assert timed == [c.cut for c in started.costs.values()] and started.trunk_steps
+    saved = started.checkpoint()
+    resumed = server.app.make_planning(cfg, trunk, resuming=True)
+    assert resumed.trunk_steps == [] and len(timed) == len(started.costs)  # not timed again
+    resumed.restore(saved)
+    assert resumed.trunk_steps == started.trunk_steps
+    assert resumed.trunk_flops_per_s == started.trunk_flops_per_s
