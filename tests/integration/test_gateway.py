@@ -20,8 +20,11 @@ WebSocket over TLS, which the pages reach directly.
   (``planner=dynsl``): a phone that closes its page mid-round is ``lost`` and the round
   completes with the others; the page opened again rejoins as the same node and trains the
   next rounds. The other phone's CPU is throttled 6x (the DevTools protocol's
-  ``Emulation.setCPUThrottlingRate``): from the times the phones measured, the planner gives
-  it a smaller cut than the phone that is not throttled. A page keeps its partition's rows
+  ``Emulation.setCPUThrottlingRate``): from the times it measured, the planner moves it to a
+  smaller cut than its first (the prior's), never deeper than the other phone's. (Whether
+  the other stays deeper depends on the CPU each page gets: alone on this host it kept cut
+  4 against the throttled phone's 1; beside the other serial lanes both measured slow
+  enough for cut 1.) A page keeps its partition's rows
   from run to run (its later tasks carry none); one opened again gets them once more. A
   forged or expired join token is refused with its reason, and so is a page that sends the
   gateway garbage.
@@ -285,9 +288,10 @@ def test_phones_train_as_python_devices_leave_mid_round_and_rejoin_as_the_same_n
     late = open_phone(chromium, url)
     wait_for(lambda: "not joined: the join token expired" in state_of(late),
              "an expired token refused")
-    # Round 3 is planned from both phones' measured times (the one that left measured in
-    # round 2): the throttled phone trains fewer of the model's layers.
-    print("cuts by round (devices 0-2):",
-          [[rows[(r, p)].get("cut") for p in "012"] for r in "123"])
-    cuts = {p: int(rows[("3", p)]["cut"]) for p in "12"}
-    assert cuts["2"] < cuts["1"], cuts
+    # The throttled phone's measured time moved it to a smaller cut than the prior's, and
+    # it is never deeper than the other phone. (Whether the other stays deeper depends on
+    # the CPU its page gets: see the module docstring.)
+    cuts = [[int(rows[(r, p)]["cut"] or 0) for p in "12"] for r in "123"]
+    print("cuts by round (the phone that left, the throttled one):", cuts)
+    assert cuts[2][1] < cuts[0][1], cuts
+    assert all(throttled_cut <= other for other, throttled_cut in cuts[1:]), cuts
