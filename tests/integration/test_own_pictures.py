@@ -18,13 +18,10 @@ its person picked, as PyTorch would.
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from playwright.sync_api import sync_playwright
 
 from clients.app import DATA_KEY, build_client_app
 from clients.device import PROFILE_KEY
@@ -34,6 +31,7 @@ from experiments.local import LocalGrid
 from protocols import compose_config
 from server.app import run_training, start_runtime, stop_runtime
 from tests.integration.test_simulation import read_clients
+from tests.integration.test_web_step import browser  # noqa: F401 - the fixture
 from tests.processes import wait_for
 
 pytestmark = pytest.mark.serial
@@ -76,22 +74,11 @@ def reference_values(rgba: np.ndarray, channels: int, size: int, light_on_dark: 
     return np.stack(out).astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.fail("no chromium on PATH: run `make web` (it installs Debian's)")
-    with sync_playwright() as pw:
-        launched = pw.chromium.launch(executable_path=executable, args=["--no-sandbox"])
-        yield launched
-        launched.close()
-
-
 @pytest.mark.parametrize(("source", "channels", "size", "dark_ink"), [
     (32, 1, 8, True), (32, 1, 8, False), (20, 1, 8, True), (32, 1, 28, True),
     (8, 1, 28, False), (32, 3, 32, False), (17, 3, 8, True),
 ], ids=["32-to-8-ink", "32-to-8-light", "20-to-8", "32-to-28", "8-to-28", "rgb-32", "rgb-17-to-8"])
-def test_a_picture_becomes_the_runs_input_as_numpy_computes_it(browser, source, channels, size,
+def test_a_picture_becomes_the_runs_input_as_numpy_computes_it(browser, source, channels, size,  # noqa: F811
                                                               dark_ink):
     page = browser.new_page()
     page.set_content("<!doctype html><title>pictures</title>")
@@ -137,7 +124,7 @@ def run_with_phone_node(tmp_path: Path, name: str, node_config: dict) -> Path:
     return tmp_path / name
 
 
-def test_a_phone_trains_on_its_persons_own_pictures_as_pytorch_would(browser, tmp_path):
+def test_a_phone_trains_on_its_persons_own_pictures_as_pytorch_would(browser, tmp_path):  # noqa: F811
     import datasets
     from PIL import Image
     from sklearn.datasets import load_digits
@@ -169,6 +156,12 @@ def test_a_phone_trains_on_its_persons_own_pictures_as_pytorch_would(browser, tm
         page.check("#own-source")
         page.click("#join")  # no pictures yet: the page asks for some and does not join
         assert "Add at least one picture" in page.inner_text("#own-count")
+        notes = folder / "notes.txt"  # a file that is no picture is left out, and said so
+        notes.write_text("not a picture")
+        page.set_input_files("#pictures", [str(notes)])
+        wait_for(lambda: "not pictures: notes.txt" in page.inner_text("#own-count"),
+                 "the file refused")
+        assert page.inner_text("#own-count").startswith("No pictures yet.")
         for label in sorted(files):
             page.fill("#label", str(label))
             page.set_input_files("#pictures", files[label])

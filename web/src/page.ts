@@ -320,9 +320,14 @@ function setUpPictures(): { ownChosen: () => boolean; chosen: () => Picture[] } 
       view.set("own-count", "A label is a whole number from 0.");
       return;
     }
+    const unread: string[] = [];
     for (const file of Array.from(input.files ?? [])) {
       if (chosen.length >= MAX_PICTURES) break;
-      chosen.push(await readPicture(file, label));
+      try {
+        chosen.push(await readPicture(file, label));
+      } catch { // not an image this browser decodes: left out, and said so below
+        unread.push(file.name);
+      }
     }
     input.value = "";
     const kept = keepPictures(chosen);
@@ -332,6 +337,7 @@ function setUpPictures(): { ownChosen: () => boolean; chosen: () => Picture[] } 
     if (!kept) {
       view.set("own-count", `${told} (kept until this page closes: the browser's storage is full)`);
     }
+    if (unread.length) view.set("own-count", `${told} (not pictures: ${unread.join(", ")})`);
   });
   view.get("clear").addEventListener("click", () => {
     chosen = [];
