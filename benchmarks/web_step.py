@@ -6,7 +6,8 @@ For every model the web runtime can train and every cut it can train it at (the 
 their stem), one device step (forward, backward from a given gradient at the cut, SGD with
 momentum and weight decay) on a batch of the run's size, in headless Chromium (Debian's,
 driven by Playwright, the bundle ``web/dist/device.js``) on each TensorFlow.js backend that
-starts there (``cpu``, ``webgl``, ``webgpu``), and in eager PyTorch in this process with one
+starts there (``cpu``, ``wasm``, ``webgl``; ``webgpu`` is tried and listed as not started
+while the bundle does not carry it), and in eager PyTorch in this process with one
 thread (a phone-class core). After 5 warm-up steps, the median of 30. WebGL in a headless
 Chromium without a GPU is SwiftShader (software): its numbers say nothing of a phone's GPU.
 
@@ -108,6 +109,8 @@ def bench_web_step(models: Sequence[str]) -> list[dict]:
                                  "eager_ms": eager, "ratio": web / eager})
                     print(f"{name:>7} {cut:>4} {backend:>8} {web:>8.1f} {eager:>9.2f} "
                           f"{web / eager:>7.1f}", flush=True)
+                else:  # not in the bundle (webgpu), or no adapter for it in this browser
+                    print(f"{name:>7} {cut:>4} {backend:>8} {'did not start':>26}", flush=True)
                 page.close()
         browser.close()
     print(json.dumps(rows))

@@ -241,7 +241,8 @@ def classes_seen(task: Mapping[str, Any], result: Mapping[str, Any]) -> int | No
     if not task["data"].get("own"):
         return None
     value = result.get("metrics", {}).get("classes") if isinstance(result, Mapping) else None
-    if not (isinstance(value, int) and 1 <= value <= task["data"]["classes"]):
+    # JSON's true would pass as int 1: a count is an int and not a bool.
+    if not (type(value) is int and 1 <= value <= task["data"]["classes"]):
         raise DeviceFailure(f"phone: its result says its pictures span {value!r} classes; "
                             f"the study has {task['data']['classes']}")
     return value

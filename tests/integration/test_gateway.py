@@ -22,12 +22,12 @@ WebSocket over TLS, which the pages reach directly.
   next rounds. The other phone's CPU is throttled 6x (the DevTools protocol's
   ``Emulation.setCPUThrottlingRate``): from the times it measured, the planner moves it to a
   smaller cut than its first (the prior's), never deeper than the other phone's. (Whether
-  the other stays deeper depends on the CPU each page gets: alone on this host it kept cut
-  4 against the throttled phone's 1; beside the other serial lanes both measured slow
-  enough for cut 1.) A page keeps its partition's rows
-  from run to run (its later tasks carry none); one opened again gets them once more. A
-  forged or expired join token is refused with its reason, and so is a page that sends the
-  gateway garbage.
+  the other stays deeper depends on the CPU each page gets: beside the other serial lanes
+  both may measure slow enough for cut 1. ``pytest -m must_show -k throttled`` checks it
+  with both phones present for three rounds, on a host with nothing else running.) A page
+  keeps its partition's rows from run to run (its later tasks carry none); one opened again
+  gets them once more. A forged or expired join token is refused with its reason, and so is
+  a page that sends the gateway garbage.
 """
 
 from __future__ import annotations
@@ -167,15 +167,12 @@ def python_devices_result(tmp_path: Path, overrides: list[str]) -> dict:
     return recorded_rounds(tmp_path / "reference")[-1]
 
 
-def train_beside_python_devices(  # noqa: ANN001 - the fixtures' objects
-        deployment, chromium, tmp_path: Path, *, phones: int, devices: int, rounds: int,  # noqa: F811
-        ttl_s: float, epochs: int = 1) -> tuple[str, float, list, dict[str, str]]:
-    """``phones`` pages and ``devices`` Python devices train ``rounds`` rounds, checked.
+def join(deployment, chromium, tmp_path: Path, *, phones: int, devices: int,  # noqa: ANN001, F811
+         ttl_s: float) -> tuple[str, float, list]:
+    """``devices`` Python devices and ``phones`` pages (through the gateway) online.
 
-    Every row ``ok``, each phone its own node, its bytes and time per batch, its rows sent
-    with its first task only, and every device's training loss and the final accuracy
-    those of the same run with Python devices only. Returns the join URL, when its token
-    was issued, the pages and each phone partition's node id.
+    The Python devices hold the first partitions, the phones the last. Returns the join
+    URL, when its token was issued, and the pages.
     """
     files, env, port, processes = deployment
     count = phones + devices
@@ -190,7 +187,23 @@ def train_beside_python_devices(  # noqa: ANN001 - the fixtures' objects
     pages = [open_phone(chromium, url) for _ in range(phones)]
     wait_connected(pages)
     wait_for(lambda: len(online_nodes(env)) == count, f"{count} nodes online", timeout_s=90)
+    return url, issued, pages
 
+
+def train_beside_python_devices(  # noqa: ANN001 - the fixtures' objects
+        deployment, chromium, tmp_path: Path, *, phones: int, devices: int, rounds: int,  # noqa: F811
+        ttl_s: float, epochs: int = 1) -> tuple[str, float, list, dict[str, str]]:
+    """``phones`` pages and ``devices`` Python devices train ``rounds`` rounds, checked.
+
+    Every row ``ok``, each phone its own node, its bytes and time per batch, its rows sent
+    with its first task only, and every device's training loss and the final accuracy
+    those of the same run with Python devices only. Returns the join URL, when its token
+    was issued, the pages and each phone partition's node id.
+    """
+    files, env, _, _ = deployment
+    count = phones + devices
+    url, issued, pages = join(deployment, chromium, tmp_path, phones=phones, devices=devices,
+                              ttl_s=ttl_s)
     overrides = [o.format(n=count) for o in RUN
                  if not o.startswith(("strategy.num_rounds", "strategy.local_epochs"))]
     overrides += [f"strategy.num_rounds={rounds}", f"strategy.local_epochs={epochs}",
@@ -235,6 +248,34 @@ def test_three_phones_and_two_python_devices_train_three_rounds_as_five_python_d
     """The issue's own sizes, two local epochs as the default job (not in the test command)."""
     train_beside_python_devices(deployment, chromium, tmp_path, phones=3, devices=2, rounds=3,
                                 ttl_s=3600, epochs=2)
+
+
+@pytest.mark.must_show
+def test_a_phone_throttled_6x_gets_a_smaller_cut_than_an_unthrottled_one(
+        deployment, chromium, tmp_path):  # noqa: F811
+    """DynSL plans from what the phones measured (not in the test command: see the docstring).
+
+    Which cut a phone gets weighs its measured compute against its link and the trunk, so
+    the unthrottled phone keeps a deep cut only while its page gets a core of its own: run
+    it with nothing else on the host.
+    """
+    files, env, _, _ = deployment
+    _, _, (fast, throttled) = join(deployment, chromium, tmp_path, phones=2, devices=1,
+                                   ttl_s=3600)
+    throttled.context.new_cdp_session(throttled).send("Emulation.setCPUThrottlingRate",
+                                                      {"rate": 6})
+    run_dir = tmp_path / "planned"
+    planned = [o.format(n=3) for o in RUN if not o.startswith("strategy.num_rounds")]
+    run_to_end(run_dir, [*planned, "strategy.num_rounds=3", "planner=dynsl", "planner.every=1",
+                         *tls_overrides(files)], env)
+    rows = {(r["round"], r["partition_id"]): r for r in read_clients(run_dir)}
+    assert {r["status"] for r in rows.values()} == {"ok"}
+    cuts = [[int(rows[(r, p)]["cut"]) for p in "12"] for r in "123"]
+    per_batch = [[float(rows[(r, p)]["compute_s"]) / int(rows[(r, p)]["steps"]) for p in "12"]
+                 for r in "123"]
+    print("cuts by round (unthrottled, throttled):", cuts, "seconds per batch:", per_batch)
+    assert cuts[0][0] == cuts[0][1]  # the prior's cut for both, before any measurement
+    assert all(slow < fast for fast, slow in cuts[1:]), cuts
 
 
 def test_phones_train_as_python_devices_leave_mid_round_and_rejoin_as_the_same_node(

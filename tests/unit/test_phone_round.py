@@ -192,7 +192,7 @@ def test_a_phone_with_its_own_pictures_gets_a_task_without_rows_and_counts_its_c
                             "light_on_dark": True, "classes": 10}
     assert sorted(i for batch in task["batches"][:2] for i in batch) == list(range(50))
     assert classes_seen(task, phone_result(task, classes=7)) == 7
-    for claimed in (0, 11, 2.5, "7", None):  # beyond the study's classes, or not a count
+    for claimed in (0, 11, 2.5, "7", None, True):  # beyond the study's classes, or not a count
         with pytest.raises(DeviceFailure, match="span"):
             classes_seen(task, phone_result(task, classes=claimed))
     assert classes_seen(task_for(step, spec), phone_result(task)) is None  # assigned data
