@@ -162,6 +162,10 @@ class ClientState:
         Examples in its local data (what per-example memory scales with); 0: unknown.
     measured : bool
         Whether its speed was measured (False: the figures are a prior's guess).
+    flops_per_s_at : tuple[tuple[int, float], ...]
+        ``(cut, FLOP/s)`` where its speed at that cut was measured: a cut's layers run at
+        their own efficiency (small early convolutions, per-batch overhead), so a rate
+        measured at one cut is not the rate at another. ``flops_per_s`` elsewhere.
     """
 
     client: str
@@ -176,6 +180,11 @@ class ClientState:
     current_cut: int | None = None
     examples: int = 0
     measured: bool = True
+    flops_per_s_at: tuple[tuple[int, float], ...] = ()
+
+    def rate_at(self, cut: int) -> float:
+        """Return its training FLOP/s at ``cut``: measured there, else ``flops_per_s``."""
+        return next((rate for c, rate in self.flops_per_s_at if c == cut), self.flops_per_s)
 
 
 @dataclass(frozen=True)
@@ -251,7 +260,7 @@ def client_seconds(client: ClientState, cost: CutCost, *, recompute: bool = Fals
                  if cost.returns_gradient else 0)
     weights = cost.client_param_bytes
     return (
-        client.samples * flops / client.flops_per_s
+        client.samples * flops / client.rate_at(cost.cut)
         + (activations + weights) / client.uplink_bytes_per_s
         + (gradients + weights) / client.downlink_bytes_per_s
         + client.batches * cost.exchanges_per_batch * client.rtt_s
@@ -275,13 +284,14 @@ def device_round(client: ClientState, cost: CutCost, *, trunk_flops_per_s: float
     gradient_bytes = ((cost.smashed_bytes_per_sample if gradient is None else gradient)
                       if cost.returns_gradient else 0)
     rtt = cost.exchanges_per_batch * client.rtt_s / 2
+    rate = client.rate_at(cost.cut)
     return DeviceRound(
         client.batches if steps is None else steps,
         before_s=cost.client_param_bytes / client.downlink_bytes_per_s,
-        up_s=per_batch * (forward / client.flops_per_s
+        up_s=per_batch * (forward / rate
                           + cost.smashed_bytes_per_sample / client.uplink_bytes_per_s) + rtt,
         trunk_s=cost.trunk_batch_s + per_batch * cost.server_flops_per_sample / trunk_flops_per_s,
-        down_s=per_batch * ((flops - forward) / client.flops_per_s
+        down_s=per_batch * ((flops - forward) / rate
                             + gradient_bytes / client.downlink_bytes_per_s) + rtt,
         after_s=cost.client_param_bytes / client.uplink_bytes_per_s,
         trunk=trunk, waits=cost.exchanges_per_batch > 0)

@@ -12,7 +12,14 @@ A rate measured more than ``jump`` times above or below its estimate replaces it
 device changed (a throttled phone, Wi-Fi lost for cellular), and averaging would plan
 the next rounds with a device that no longer exists.
 
-* ``flops_per_s = flops / compute_s``; ``uplink = bytes_up / upload_s``;
+* ``flops_per_s = flops / compute_s``, per cut: a device's rate at the first cut it
+  trained at is its speed, and at each other cut it trained at it keeps the ratio
+  measured there (a cut's layers run at their own efficiency: on this host the
+  planner benchmark's ResNet trains at 22 GFLOP/s below cut 1 and 97-105 below cuts
+  2-4). A measurement at a known cut more than ``jump`` times off what the ratio
+  predicts is the device changing: its speed moves, and every cut's rate with it;
+  otherwise the rate at its first cut, or the ratio at another, is smoothed.
+  ``uplink = bytes_up / upload_s``;
   ``downlink = bytes_down / download_s``; ``rtt_s = latency_s / exchanges``.
   A rate whose duration (or amount) is zero or missing is not updated: a
   round without uploads says nothing about the uplink.
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from splitlearn.planning.cost import ClientState
 
@@ -39,7 +46,9 @@ from splitlearn.planning.cost import ClientState
 class _Estimates:
     """What is known of one client (None: never measured)."""
 
-    flops_per_s: float | None = None
+    flops_per_s: float | None = None  # at the first cut it trained at (its speed)
+    #: Each cut it trained at: its rate there over its speed (1 at the first).
+    cut_ratio: dict[int, float] = field(default_factory=dict)
     uplink_bytes_per_s: float | None = None
     downlink_bytes_per_s: float | None = None
     rtt_s: float | None = None
@@ -50,6 +59,10 @@ class _Estimates:
     label_coverage: float | None = None
     cut: int | None = None
     examples: int | None = None
+
+    def __setstate__(self, state: dict) -> None:
+        # A checkpoint written before rates were kept per cut has none: it resumes without.
+        self.__dict__.update({"cut_ratio": {}} | state)
 
 
 class ClientMonitor:
@@ -126,7 +139,7 @@ class ClientMonitor:
             The cut it trained at, if any.
         """
         known = self._known.setdefault(client, _Estimates())
-        known.flops_per_s = self._rate(known.flops_per_s, _rate(flops, compute_s))
+        self._observe_speed(known, _rate(flops, compute_s), cut)
         known.uplink_bytes_per_s = self._rate(known.uplink_bytes_per_s, _rate(bytes_up, upload_s))
         known.downlink_bytes_per_s = self._rate(
             known.downlink_bytes_per_s, _rate(bytes_down, download_s)
@@ -143,6 +156,26 @@ class ClientMonitor:
             known.cut = cut
         if examples:
             known.examples = examples
+
+    def _observe_speed(self, known: _Estimates, measured: float | None, cut: int | None) -> None:
+        """Fold a measured FLOP/s at ``cut`` into the device's speed and its ratio there."""
+        if measured is None or measured <= 0:
+            return
+        if known.flops_per_s is None:  # its first measurement: its speed, ratio 1 there
+            known.flops_per_s = measured
+            if cut is not None:
+                known.cut_ratio[cut] = 1.0
+            return
+        first = next(iter(known.cut_ratio), None)
+        ratio = 1.0 if cut is None else known.cut_ratio.get(cut)
+        if ratio is None:  # a cut it had not trained at: its ratio there, from its speed now
+            known.cut_ratio[cut] = measured / known.flops_per_s  # type: ignore[index]
+        elif not 1 / self.jump <= measured / (known.flops_per_s * ratio) <= self.jump:
+            known.flops_per_s = measured / ratio  # the device changed: every cut with it
+        elif cut is None or cut == first:
+            known.flops_per_s = self._smooth(known.flops_per_s, measured / ratio)
+        else:
+            known.cut_ratio[cut] = self._smooth(ratio, measured / known.flops_per_s)  # type: ignore[assignment]
 
     def observe_memory(self, client: str, memory_bytes: float, *, examples: int = 0) -> None:
         """Record the memory budget (bytes) a client reported, e.g. when it declined a cut.
@@ -174,6 +207,9 @@ class ClientMonitor:
             "examples": known.examples,
         }
         updates = {name: value for name, value in measured.items() if value is not None}
+        if known.flops_per_s is not None:
+            updates["flops_per_s_at"] = tuple(
+                (cut, known.flops_per_s * ratio) for cut, ratio in sorted(known.cut_ratio.items()))
         return replace(prior, client=client, utility=self.utility(client), **updates,
                        measured=prior.measured or known.flops_per_s is not None)
 

@@ -8,7 +8,14 @@ from dataclasses import replace
 
 import pytest
 
-from splitlearn.planning.cost import ClientState, CutCost, device_round, fits, predicted_round_s
+from splitlearn.planning.cost import (
+    ClientState,
+    CutCost,
+    client_seconds,
+    device_round,
+    fits,
+    predicted_round_s,
+)
 from splitlearn.planning.monitor import ClientMonitor
 from splitlearn.planning.planners import (
     PLANNERS,
@@ -493,7 +500,33 @@ def test_monitor_turns_one_round_into_rates() -> None:
         samples=64,
         batches=4,
         current_cut=3,
+        flops_per_s_at=((3, 2e9),),
     )
+
+
+def test_monitor_keeps_a_rate_per_cut_and_moves_them_all_when_the_device_changes() -> None:
+    # Measured at cut 1 (2 GFLOP/s), then at cut 4, whose layers run 3x as efficiently.
+    monitor = ClientMonitor(alpha=0.5, jump=2.0)
+    monitor.observe("a", **ROUND, cut=1)
+    monitor.observe("a", **(ROUND | {"compute_s": ROUND["compute_s"] / 3}), cut=4)
+    state = monitor.state("a", PRIOR)
+    assert state.rate_at(1) == pytest.approx(2e9) and state.rate_at(4) == pytest.approx(6e9)
+    assert state.rate_at(2) == pytest.approx(2e9)  # never trained there: its speed
+    # At cut 4 again, 20% faster: the ratio there is smoothed; cut 1 keeps its own rate.
+    monitor.observe("a", **(ROUND | {"compute_s": ROUND["compute_s"] / 3.6}), cut=4)
+    state = monitor.state("a", PRIOR)
+    assert state.rate_at(4) == pytest.approx(0.5 * 7.2e9 + 0.5 * 6e9)
+    assert state.rate_at(1) == pytest.approx(2e9)
+    # Throttled 4x at cut 4: the device changed, and every cut's rate moves with it.
+    before = state.rate_at(4)
+    monitor.observe("a", **(ROUND | {"compute_s": ROUND["compute_s"] * 4 / 3}), cut=4)
+    state = monitor.state("a", PRIOR)
+    assert state.rate_at(4) == pytest.approx(1.5e9)
+    assert state.rate_at(1) == pytest.approx(2e9 * 1.5e9 / before)
+    # The cost model charges each cut at its own rate.
+    cost = cut_cost(4, client_flops=3e9, server_flops=1.0)
+    assert client_seconds(replace(state, uplink_bytes_per_s=1e30, downlink_bytes_per_s=1e30,
+                                  rtt_s=0.0), cost) == pytest.approx(64 * 3e9 / 1.5e9)
 
 
 def test_monitor_smooths_exponentially_and_skips_zero_durations() -> None:
