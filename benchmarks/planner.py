@@ -20,11 +20,13 @@ the fair one for planners that trade clients per round for shorter rounds.
 
 It also checks the planner itself (its makespan against brute force on random
 instances of up to 6 clients x 6 cuts, and the time to plan 1,000 clients x 20
-cuts) and writes ``planner.csv``, ``planner.json`` and ``planner.png`` into the
-output folder. The last line printed is JSON with the reductions of the best
-planner's time to target versus the best and the worst uniform cut and versus
-greedy (the worst case over the scenarios), plus final accuracies; the summary also
-has each planner's own reduction, and each planner's predicted rounds against the
+cuts) and writes ``planner.csv``, ``planner.json``, ``planner.png`` and
+``curves.json`` into the output folder (per run, each round's virtual time and accuracy,
+its plan error, and the plan it ran: every device's cut or status, :func:`round_cuts`).
+The last line printed is JSON with the reductions of the best planner's time to
+target versus the best and the worst uniform cut and versus greedy (the worst case
+over the scenarios), plus final accuracies; the summary also has each planner's own
+reduction, and each planner's predicted rounds against the
 clock's (``plan_error``). With ``--oracle-clients N`` (N <= 6) it also runs every
 uniform cut and DynSL on an N-device version of each scenario and finds the clock's
 oracle there (:mod:`benchmarks.clock_oracle`): how much per-device cuts can gain on
@@ -37,6 +39,7 @@ import csv
 import json
 import math
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -76,6 +79,7 @@ class RunResult:
     rounds: int = 0
     accuracy_at_budget: float = math.nan  # mean of the last evaluations by the time budget
     plan_errors: tuple[tuple[int, float], ...] = ()  # (round, predicted / clock - 1)
+    cuts: tuple[str, ...] = ()  # per round, each device's cut or status (round_cuts)
 
 
 def time_to_target(history: Sequence[dict], target: float) -> float:
@@ -107,10 +111,11 @@ def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
     cfg = compose_config([f"+scenario={scenario}", *PLANNER_DEFAULTS, *overrides, *choice,
                           f"seed={seed}", f"devices.host_flops_per_s={min(host_flops.values())}",
                           f"+devices.host_flops_by_cut={by_cut}"])
-    if run_dir is not None:
-        cfg.run_dir = str(run_dir)
     torch.set_num_threads(cfg.engine.torch_threads)
-    result = run_local(cfg, concurrency=2)
+    with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
+        cfg.run_dir = str(run_dir or tmp)
+        result = run_local(cfg, concurrency=2)
+        cuts = round_cuts(Path(cfg.run_dir) / "clients.csv")
     history = result.history
     final = history[-1]
     return RunResult(
@@ -121,7 +126,25 @@ def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
         rounds=int(final["round"]),
         plan_errors=tuple((int(r["round"]), float(r["plan_error"])) for r in history
                           if "plan_error" in r),
+        cuts=cuts,
     )
+
+
+def round_cuts(clients_csv: Path) -> tuple[str, ...]:
+    """Return each round's plan as it ran: a character per device, in partition order.
+
+    The device's cut where it trained (``ok``), else the first letter of its status
+    (``u``: unavailable, ``d``: dropped, ``m``: memory, ...); ``-`` where it had no row.
+    """
+    with open(clients_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    devices = sorted({int(r["partition_id"]) for r in rows})
+    by_round: dict[int, dict[int, str]] = {}
+    for row in rows:
+        mark = row["cut"] if row["status"] == "ok" and row["cut"] else row["status"][:1]
+        by_round.setdefault(int(row["round"]), {})[int(row["partition_id"])] = mark
+    return tuple("".join(marks.get(d, "-") for d in devices)
+                 for _, marks in sorted(by_round.items()))
 
 
 def run_for_budget(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
@@ -392,12 +415,12 @@ def bench_planner(overrides: Sequence[str], *, seeds: int = 3, target: float = 0
 
 def write_rows(results: Sequence[RunResult], path: Path) -> None:
     """One CSV row per run."""
-    rows = [{k: v for k, v in asdict(r).items() if k not in ("curve", "plan_errors")}
+    rows = [{k: v for k, v in asdict(r).items() if k not in ("curve", "plan_errors", "cuts")}
             for r in results]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     curves = [{"scenario": r.scenario, "seed": r.seed, "method": r.method, "curve": r.curve,
-               "plan_errors": r.plan_errors} for r in results]
+               "plan_errors": r.plan_errors, "cuts": r.cuts} for r in results]
     path.with_name("curves.json").write_text(json.dumps(curves))

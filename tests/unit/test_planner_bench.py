@@ -12,6 +12,7 @@ from benchmarks.planner import (
     RunResult,
     accuracy_after,
     at_budget,
+    round_cuts,
     summarise,
     time_to_target,
 )
@@ -116,3 +117,13 @@ def test_the_clock_oracle_mixes_the_cuts_each_device_is_fastest_at(tmp_path) -> 
     assert found["oracle_s"] == pytest.approx(3.0) and found["dynsl_s"] == pytest.approx(6.0)
     assert found["oracle_gain_vs_best_uniform"] == pytest.approx(2 / 3)
     assert found["dynsl_gain_vs_best_uniform"] == pytest.approx(1 / 3)
+
+
+def test_each_rounds_plan_reads_as_a_cut_or_a_status_per_device_in_partition_order(
+        tmp_path) -> None:
+    rows = ["round,partition_id,status,cut",
+            "1,1,ok,4", "1,0,ok,1", "1,2,unavailable,",
+            "2,0,memory,", "2,2,ok,3"]  # partition 1 has no row in round 2
+    path = tmp_path / "clients.csv"
+    path.write_text("\n".join(rows) + "\n")
+    assert round_cuts(path) == ("14u", "m-3")
