@@ -42,6 +42,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -112,10 +113,13 @@ def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
                           f"seed={seed}", f"devices.host_flops_per_s={min(host_flops.values())}",
                           f"+devices.host_flops_by_cut={by_cut}"])
     torch.set_num_threads(cfg.engine.torch_threads)
-    with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
-        cfg.run_dir = str(run_dir or tmp)
+    # A folder of its own when none is given, read before it goes (the plan each round ran).
+    folder = nullcontext(str(run_dir)) if run_dir else tempfile.TemporaryDirectory(
+        prefix="planner-run-")
+    with folder as path:
+        cfg.run_dir = path
         result = run_local(cfg, concurrency=2)
-        cuts = round_cuts(Path(cfg.run_dir) / "clients.csv")
+        cuts = round_cuts(Path(path) / "clients.csv")
     history = result.history
     final = history[-1]
     return RunResult(

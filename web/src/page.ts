@@ -330,14 +330,14 @@ function setUpPictures(): { ownChosen: () => boolean; chosen: () => Picture[] } 
       }
     }
     input.value = "";
-    const kept = keepPictures(chosen);
-    show();
-    const told = describePictures(chosen);
-    if (chosen.length >= MAX_PICTURES) view.set("own-count", `${told} (the most a phone trains on)`);
-    if (!kept) {
-      view.set("own-count", `${told} (kept until this page closes: the browser's storage is full)`);
+    const notes: string[] = []; // every one said at once: one would hide another
+    if (chosen.length >= MAX_PICTURES) notes.push("the most a phone trains on");
+    if (!keepPictures(chosen)) {
+      notes.push("kept until this page closes: the browser's storage is full");
     }
-    if (unread.length) view.set("own-count", `${told} (not pictures: ${unread.join(", ")})`);
+    if (unread.length) notes.push(`not pictures: ${unread.join(", ")}`);
+    show();
+    if (notes.length) view.set("own-count", `${describePictures(chosen)} (${notes.join("; ")})`);
   });
   view.get("clear").addEventListener("click", () => {
     chosen = [];
