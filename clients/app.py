@@ -104,6 +104,7 @@ from splitlearn.messages import (
     state_to_record,
 )
 from splitlearn.models.factory import build_model_from_config
+from splitlearn.optim import scale_lr
 from splitlearn.planning.devices import DeviceProfile
 from splitlearn.privacy import (
     PRIVACY_OPTIONS,
@@ -219,6 +220,10 @@ class ClientRound:
             raise DeviceFailure(str(err)) from err
         partition = _partition(context)
         spec = with_device_privacy(spec, declared, **partition)
+        try:
+            scale_lr(spec.strategy, data.get("lr_factor", 1.0))
+        except ValueError as err:
+            raise DeviceFailure(str(err)) from err
         return cls(
             protocol, trunk_trust(spec, node, address=address),
             int(data["server_round"]), int(data["cut"]), bool(data.get(RECOMPUTE_KEY, False)),

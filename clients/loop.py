@@ -22,6 +22,7 @@ from clients.device import DeviceDeadline, Pacer
 from clients.steps.base import ClientStep
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import TrunkChannel
+from splitlearn.optim import base_lr
 from splitlearn.planning.clock import ClientMeasurement
 from splitlearn.privacy import ClientPrivacy
 
@@ -166,7 +167,8 @@ def train_round(
     """
     train = step.spec.strategy
     optimizer = privacy.make_optimizer(
-        step.trained(), lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay
+        step.trained(), lr=base_lr(train, "device"), momentum=train.momentum,
+        weight_decay=train.weight_decay, optimizer=train.optimizer,
     )
     step.release = privacy.release
     step.trained().train()

@@ -16,6 +16,7 @@ from protocols.registry import PROTOCOLS, protocol_named, runtime_refusal
 from protocols.spec import Capabilities, Protocol
 from splitlearn.config import Config, check_keys, run_spec, to_object
 from splitlearn.models import SplittableModel
+from splitlearn.optim import check_optimizers
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -62,6 +63,7 @@ def check_config(cfg: DictConfig) -> None:
     check_error_feedback(config, protocol)
     check_privacy_source(config, model)
     check_client_runtime(config, protocol, model)
+    check_optimizers(config.strategy, light_only_devices=light_only_runtime(config))
     check_device_privacy(config)
     check_trunk_workers(config)
     check_aggregation(config)
@@ -182,6 +184,15 @@ def check_client_runtime(config: Config, protocol: Protocol, model: SplittableMo
         check_executorch(config, protocol, model, recompute=recompute)
     if config.devices.web:
         check_web(config, protocol, model, recompute=recompute)
+
+
+def light_only_runtime(config: Config) -> str | None:
+    """Return the setting whose device runtime steps plain SGD only (None: any optimiser)."""
+    from splitlearn.runtimes import EXECUTORCH_KEY, WEB_KEY
+
+    if config.devices.runtime == "executorch":
+        return EXECUTORCH_KEY
+    return WEB_KEY if config.devices.web else None
 
 
 def check_executorch(config: Config, protocol: Protocol, model: SplittableModel, *,

@@ -305,7 +305,8 @@ def make_strategy(runtime: SplitRuntime, reporter: RoundReporter) -> Strategy:
         "min_available_nodes": s.min_train_nodes,
     }
     if runtime.trunk_side is not None:
-        kwargs |= {"dataplane": dataplane_access(runtime), "trunk": runtime.trunk_side}
+        kwargs |= {"dataplane": dataplane_access(runtime), "trunk": runtime.trunk_side,
+                   "set_trunk_lr_factor": (runtime.workers or runtime.trunk).set_lr_factor}
     if runtime.planning is not None:
         kwargs["planning"] = runtime.planning
     aggregation = to_object(cfg.aggregation)

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from splitlearn.light_sgd import LightSGD
+from splitlearn.config import OptimizerConfig
+from splitlearn.optim import Optimizer, make_optimizer
 
 
 @dataclass(frozen=True)
@@ -177,14 +178,23 @@ class DeviceTails:
     Parameters
     ----------
     lr, momentum, weight_decay : float
-        The devices' optimiser settings (the run's ``strategy``: the trunk's own).
+        The devices' optimiser settings: base learning rate, SGD's momentum, weight decay.
+    optimizer : OptimizerConfig, optional
+        The devices' optimiser (None: plain SGD).
+    lr_factor : Callable[[], float], optional
+        The schedule's factor this round (a replica made now trains at ``lr`` times it).
     """
 
-    def __init__(self, *, lr: float, momentum: float, weight_decay: float) -> None:
-        self.hyper = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+    def __init__(self, *, lr: float, momentum: float, weight_decay: float,
+                 optimizer: OptimizerConfig | None = None,
+                 lr_factor: Callable[[], float] = lambda: 1.0) -> None:
+        self.hyper = {"momentum": momentum, "weight_decay": weight_decay}
+        self.lr = lr
+        self.optimizer = optimizer or OptimizerConfig()
+        self.lr_factor = lr_factor
         self._lock = threading.Lock()
         # client -> (round, its tail replica, that replica's optimiser)
-        self._tails: dict[str, tuple[int, nn.Module, LightSGD]] = {}
+        self._tails: dict[str, tuple[int, nn.Module, Optimizer]] = {}
         self._round = 0  # the latest round seen
 
     def tail(self, client: str, server_round: int,
@@ -204,8 +214,9 @@ class DeviceTails:
             if kept is None or kept[0] != server_round:
                 replica = copy.deepcopy(nn.Sequential(*stages())).eval()
                 replica.requires_grad_(True)
-                kept = self._tails[client] = (server_round, replica,
-                                              LightSGD(replica.parameters(), **self.hyper))
+                optimizer = make_optimizer(replica.parameters(), self.optimizer,
+                                           lr=self.lr * self.lr_factor(), **self.hyper)
+                kept = self._tails[client] = (server_round, replica, optimizer)
             return kept[1]
 
     def learn(self, client: str, features: Tensor, labels: Tensor,

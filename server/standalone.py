@@ -29,6 +29,7 @@ from server.trunk import Trunk
 from splitlearn.config import DataPlaneConfig, StrategyConfig
 from splitlearn.dataplane import SessionHandler, TokenRegistry, TrunkEndpoint, TrunkService
 from splitlearn.models import SplittableModel
+from splitlearn.optim import base_lr, side_config
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,8 @@ def build_trunk_side(model: SplittableModel, options: StrategyConfig,
     model : SplittableModel
         The network; the trunk trains it in place.
     options : StrategyConfig
-        The protocol's options (``name`` picks it; lr, momentum and weight decay are
-        the trunk's optimiser's).
+        The protocol's options (``name`` picks it; ``trunk_optimizer``, else ``optimizer``,
+        with lr, momentum and weight decay, is the trunk's optimiser).
     dataplane : DataPlaneConfig
         What the endpoint accepts (frame size, value bound, batch, timeouts) and the
         trunk's layout.
@@ -60,8 +61,10 @@ def build_trunk_side(model: SplittableModel, options: StrategyConfig,
     """
     protocol = protocol_named(options.name)
     guard = TrunkGuard(dataplane.guard) if dataplane.guard.enabled else None
-    trunk = Trunk(model, lr=options.lr, momentum=options.momentum,
-                  weight_decay=options.weight_decay, channels_last=dataplane.channels_last,
+    optimizer, _ = side_config(options, "trunk")
+    trunk = Trunk(model, lr=base_lr(options, "trunk"), momentum=options.momentum,
+                  weight_decay=options.weight_decay, optimizer=optimizer,
+                  channels_last=dataplane.channels_last,
                   sticky_core=sticky_core, guard=guard)
     handler = protocol.trunk(trunk, options, dataplane) if protocol.trunk else None
     tokens = TokenRegistry()

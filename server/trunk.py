@@ -24,10 +24,14 @@ from torch.nn.utils import get_total_norm, parameters_to_vector
 
 from server.cores import StickyCore
 from server.guard import TrunkGuard
+from splitlearn.config import OptimizerConfig
 from splitlearn.dataplane.codec import FrameError, Reason
-from splitlearn.light_sgd import LightSGD
 from splitlearn.models import SplittableModel
+from splitlearn.optim import make_optimizer, set_lr, trained_params
 from splitlearn.stages import load_bottom_state
+
+#: Separates a parameter's name from its optimiser state entry in :meth:`Trunk.optimizer_state`.
+STATE_SEP = "|"
 
 
 class Trunk:
@@ -40,7 +44,10 @@ class Trunk:
         trains ``model.stages[k:]`` (or up to a U-shaped tail cut). Stages below
         every cut in use get no gradient, so SGD leaves them as they are.
     lr, momentum, weight_decay : float
-        SGD settings.
+        The optimiser's base learning rate (the schedule scales it: :meth:`set_lr_factor`),
+        and SGD's momentum and weight decay (:func:`splitlearn.optim.optimizer_kwargs`).
+    optimizer : OptimizerConfig, optional
+        Which optimiser (Hydra ``_target_``); None: plain SGD.
     channels_last : bool, optional
         Give the stages 4-D activations channels-last (NHWC); None: as the model
         prefers (:attr:`SplittableModel.channels_last`). Only the activations change
@@ -57,17 +64,24 @@ class Trunk:
 
     def __init__(
         self, model: SplittableModel, *, lr: float, momentum: float = 0.0,
-        weight_decay: float = 0.0, channels_last: bool | None = None, sticky_core: bool = True,
+        weight_decay: float = 0.0, optimizer: OptimizerConfig | None = None,
+        channels_last: bool | None = None, sticky_core: bool = True,
         guard: TrunkGuard | None = None,
     ) -> None:
         self.model = model
         self.guard = guard
-        self.hyper = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+        self.hyper = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
+                      "optimizer": optimizer or OptimizerConfig()}
+        #: The schedule's factor this round: the optimiser trains at ``lr`` times it.
+        self.lr_factor = 1.0
         self.channels_last = model.channels_last if channels_last is None else channels_last
         # Shapes never change; probing them per frame would run the model under
         # concurrent training steps.
         self._cut_shapes = {cut: model.cut_shape(cut) for cut in model.valid_cuts}
-        self.optimizer = LightSGD(model.parameters(), **self.hyper)
+        self.optimizer = make_optimizer(
+            model.parameters(), self.hyper["optimizer"], lr=lr, momentum=momentum,
+            weight_decay=weight_decay, key="strategy.trunk_optimizer")
+        self._params = trained_params(self.optimizer)
         self._lock = threading.Lock()
         self.core = StickyCore(enabled=sticky_core)
         self._buffers = list(model.buffers())  # batch-norm statistics: a refused step restores them
@@ -176,7 +190,7 @@ class Trunk:
 
     def _check_and_clip_gradients(self) -> None:
         # The optimiser's list: the model's own parameters() walks every module (~0.1 ms).
-        grads = [p.grad for p in self.optimizer.params if p.grad is not None]
+        grads = [p.grad for p in self._params if p.grad is not None]
         if not grads:
             return
         # One fused pass: a NaN or infinite entry (or an overflowing norm) is not finite.
@@ -200,34 +214,49 @@ class Trunk:
             for buffer, value in zip(self._buffers, values, strict=True):
                 buffer.copy_(value.view_as(buffer))
 
-    def forget_optimizer_state(self, stages: Iterable[int]) -> None:
-        """Drop the momentum of ``stages``' parameters (stages that left the trunk for devices).
+    def set_lr_factor(self, factor: float) -> None:
+        """Train at the base learning rate times ``factor`` from now on (the round's schedule)."""
+        with self._lock:
+            self.lr_factor = factor
+            set_lr(self.optimizer, self.hyper["lr"] * factor)
 
-        A stage that comes back later starts afresh, as it would on a device, instead of
-        applying momentum from before its weights were merged elsewhere.
+    def forget_optimizer_state(self, stages: Iterable[int]) -> None:
+        """Drop the optimiser state (momentum, Adam's moments) of ``stages``' parameters.
+
+        Those are stages that left the trunk for devices: one that comes back later starts
+        afresh, as it would on a device, instead of applying momentum from before its
+        weights were merged elsewhere.
         """
         with self._lock:
             for index in stages:
                 for param in self.model.stages[index].parameters():
                     self.optimizer.state.pop(param, None)
 
-    def momentum_state(self) -> dict[str, Tensor]:
-        """Return a copy of each parameter's momentum, keyed like :meth:`stage_state`.
+    def optimizer_state(self) -> dict[str, Tensor]:
+        """Return a copy of each parameter's optimiser state, keyed ``"<name>|<entry>"``.
 
-        Parameters the optimiser has not stepped (or without momentum) are left out.
+        ``<name>`` is the parameter's key in :meth:`stage_state` (so the state merges per
+        stage as the weights do); ``<entry>`` is the optimiser's (``momentum_buffer``;
+        Adam's ``step``, ``exp_avg``, ``exp_avg_sq``). Parameters the optimiser has not
+        stepped (or that keep no state, such as SGD without momentum) are left out.
         """
         with self._lock:
-            return {name: state["momentum_buffer"].clone()
+            return {f"{name}{STATE_SEP}{entry}": value.clone()
                     for name, param in self.model.stages.named_parameters()
                     if (state := self.optimizer.state.get(param))
-                    and state.get("momentum_buffer") is not None}
+                    for entry, value in state.items()
+                    if isinstance(value, Tensor)}
 
-    def load_momentum(self, momentum: Mapping[str, Tensor]) -> None:
-        """Replace each parameter's momentum by ``momentum``'s (those it lacks start afresh)."""
+    def load_optimizer_state(self, saved: Mapping[str, Tensor]) -> None:
+        """Replace each parameter's optimiser state by ``saved``'s (those it lacks start afresh)."""
+        by_param: dict[str, dict[str, Tensor]] = {}
+        for key, value in saved.items():
+            name, _, entry = key.rpartition(STATE_SEP)
+            by_param.setdefault(name, {})[entry] = value.clone()
         with self._lock:
             for name, param in self.model.stages.named_parameters():
-                if name in momentum:
-                    self.optimizer.state[param] = {"momentum_buffer": momentum[name].clone()}
+                if name in by_param:
+                    self.optimizer.state[param] = by_param[name]
                 else:
                     self.optimizer.state.pop(param, None)
 
@@ -260,9 +289,11 @@ class Trunk:
     def fork(self) -> Trunk:
         """Return an independent trunk on a copy of the model, with a fresh optimiser."""
         with self._lock:
-            return Trunk(copy.deepcopy(self.model), **self.hyper,
-                         channels_last=self.channels_last, sticky_core=self.core.active,
-                         guard=self.guard)
+            forked = Trunk(copy.deepcopy(self.model), **self.hyper,
+                           channels_last=self.channels_last, sticky_core=self.core.active,
+                           guard=self.guard)
+        forked.set_lr_factor(self.lr_factor)
+        return forked
 
     def snapshot(self) -> SplittableModel:
         """Return an independent copy of the whole server model."""

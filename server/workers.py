@@ -160,14 +160,16 @@ class WorkerCommands:
 
     def pull(self) -> bytes:
         """Return this worker's stages, momentum and books since the last pull."""
-        return pack({"stages": self.trunk.stage_state(), "momentum": self.trunk.momentum_state(),
+        return pack({"stages": self.trunk.stage_state(),
+                     "optimizer": self.trunk.optimizer_state(),
                      "books": self.trunk.take_books()})
 
     def push(self, data: bytes) -> None:
         """Replace the trunk's weights and optimiser state by the ServerApp's."""
         state = unpack(data)
         self.trunk.load_stages(state["stages"])
-        self.trunk.load_momentum(state["momentum"])
+        self.trunk.load_optimizer_state(state["optimizer"])
+        self.trunk.set_lr_factor(state["lr_factor"])
 
     def take_feedback(self, client: str) -> bytes | None:
         """Release ``client``'s error-feedback memory (None if this worker holds none)."""
@@ -384,10 +386,17 @@ class TrunkWorkers:
         if data is not None:  # else dropped there to stay within the budget
             to.call("give_feedback", client, data)
 
+    def set_lr_factor(self, factor: float) -> None:
+        """Train at the schedule's ``factor`` (the workers take it before their sessions)."""
+        if factor != self.trunk.lr_factor:
+            self.trunk.set_lr_factor(factor)
+            self._stale = True
+
     def _sync(self) -> None:
         if not self._stale:
             return
-        state = pack({"stages": self.trunk.stage_state(), "momentum": self.trunk.momentum_state()})
+        state = pack({"stages": self.trunk.stage_state(),
+                      "optimizer": self.trunk.optimizer_state(), "lr_factor": self.trunk.lr_factor})
         for worker in self._workers:
             worker.call("push", state)
         self._stale = False
@@ -420,8 +429,8 @@ class TrunkWorkers:
         merged = merge_stages([*clients, *copies])
         current = self.trunk.stage_state()
         self.trunk.load_stages(merged)
-        self.trunk.load_momentum(merge_stages([
-            StageCopy(p["momentum"], c.stage_samples) for p, c in zip(trained, copies, strict=True)
+        self.trunk.load_optimizer_state(merge_stages([
+            StageCopy(p["optimizer"], c.stage_samples) for p, c in zip(trained, copies, strict=True)
         ]))
         self.trunk.add_books(
             steps=sum(p["books"]["steps"] for p in trained),

@@ -75,6 +75,35 @@ class ModelConfig:
 
 
 @dataclass
+class OptimizerConfig:
+    """One side's optimiser, named by Hydra's ``_target_`` (splitlearn/optim.py builds it).
+
+    ``_target_`` is a ``torch.optim.Optimizer`` class by its dotted path. ``lr`` is the
+    side's base learning rate (None: ``strategy.lr``), which ``strategy.schedule`` scales
+    round by round. ``options`` are its other keyword arguments (``betas``, ``eps``, ...);
+    ``strategy.weight_decay``, and for SGD ``strategy.momentum``, apply unless they set them.
+    """
+
+    _target_: str | None = "torch.optim.SGD"  # trunk_optimizer: None = the devices' optimiser
+    lr: float | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ScheduleConfig:
+    """A learning-rate schedule over rounds, named by Hydra's ``_target_``.
+
+    ``_target_`` is a ``torch.optim.lr_scheduler`` class (None: a constant rate), stepped
+    once per round: round ``r`` trains both sides at their base rate times the factor it
+    gives after ``r - 1`` steps. ``options`` are its keyword arguments; a ``T_max`` or
+    ``total_iters`` it takes and they leave out is ``strategy.num_rounds``.
+    """
+
+    _target_: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class StrategyConfig:
     """Training settings every protocol shares; each protocol's subclass adds its options."""
 
@@ -88,6 +117,11 @@ class StrategyConfig:
     lr: float = 0.05  # plain SGD on both sides, same lr: split == whole-model SGD
     momentum: float = 0.5  # 0.9 on the shared trunk stalls training under label skew
     weight_decay: float = 0.0
+    # Devices' optimiser, and the trunk's (_target_ None: the devices'); SGD on both by default.
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trunk_optimizer: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(_target_=None))
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)  # lr over rounds
     round_timeout_s: float = 600.0  # Flower waits this long for replies
 
 

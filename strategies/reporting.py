@@ -50,6 +50,7 @@ from splitlearn.messages import (
     state_to_record,
     with_dtypes_of,
 )
+from splitlearn.optim import lr_factor
 from splitlearn.robust import (
     SELECTING,
     Block,
@@ -274,6 +275,9 @@ class ReportingFedAvg(FedAvg):
         How the devices' copies are weighed and aggregated (``aggregation.robust``,
         ``aggregation.max_examples_ratio``); without it, FedAvg's weighted mean of
         the claimed examples, unbounded.
+    set_trunk_lr_factor : Callable[[float], None], optional
+        Sets the trunk's learning-rate factor; called with ``strategy.schedule``'s factor
+        as each training round starts (devices receive it in their round record).
     **fedavg_kwargs : Any
         Passed to :class:`flwr.serverapp.strategy.FedAvg`.
     """
@@ -291,6 +295,7 @@ class ReportingFedAvg(FedAvg):
         round_deadline_s: float | None = None,
         secure_aggregation: AggregationConfig | None = None,
         aggregation: AggregationConfig | None = None,
+        set_trunk_lr_factor: Callable[[float], None] | None = None,
         **fedavg_kwargs: Any,
     ) -> None:
         fedavg_kwargs.setdefault("train_metrics_aggr_fn", aggregate_split_metrics)
@@ -303,6 +308,10 @@ class ReportingFedAvg(FedAvg):
         #: Adds server-side metrics to a round's report (a wrapper's: DP-FedAvg's epsilon).
         self.extra_metrics: Callable[[list[Message]], dict[str, float]] | None = None
         self._spec_text = encode_spec(spec)  # the same for every message of the run
+        #: Tells the trunk the schedule's factor each round (None: no trunk).
+        self.set_trunk_lr_factor = set_trunk_lr_factor
+        #: The schedule's factor of the round being trained (sent with it to every device).
+        self.lr_factor = 1.0
         self._round_started = 0.0
         self._sent: dict[int, dict[str, tuple[tuple[int, ...], str]]] = {}  # node -> arrays
         #: The last training round's status of each node that replied.
@@ -363,7 +372,7 @@ class ReportingFedAvg(FedAvg):
     def round_record(self, node: int, server_round: int) -> dict[str, Any]:
         """Return the round's data for one client (split protocols add a session)."""
         return {"server_round": server_round, "cut": self.spec.model.cut,
-                "protocol": self.protocol}
+                "protocol": self.protocol, "lr_factor": self.lr_factor}
 
     def _typed(self, message: Message, server_round: int, kind: str) -> Message:
         node = message.metadata.dst_node_id
@@ -386,6 +395,9 @@ class ReportingFedAvg(FedAvg):
         # In node order, not the order Flower drew them in: tokens, and so trunk
         # workers, go to the same nodes in the same order whenever the node ids are
         # the same (the Simulation Engine draws new ones each run).
+        self.lr_factor = lr_factor(self.spec.strategy, server_round)
+        if self.set_trunk_lr_factor is not None:
+            self.set_trunk_lr_factor(self.lr_factor)
         messages = sorted(super().configure_train(server_round, arrays, config, grid),
                           key=lambda m: m.metadata.dst_node_id)
         ready = self.ready(grid, [m.metadata.dst_node_id for m in messages])

@@ -21,7 +21,7 @@ from xdist.scheduler import LoadScopeScheduling
 
 from protocols import compose_config, protocol_named
 from server.trunk import Trunk
-from splitlearn.config import DataPlaneConfig, StrategyConfig
+from splitlearn.config import DataPlaneConfig, OptimizerConfig, StrategyConfig
 from splitlearn.dataplane import (
     GrpcTransport,
     InProcessTransport,
@@ -90,6 +90,9 @@ def start_trunk_server(
     protocol: str = "splitfed_v2",
     options: StrategyConfig | None = None,
     lr: float = 0.1,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    optimizer: OptimizerConfig | None = None,
     dataplane: DataPlaneConfig | None = None,
     handler: Callable[[Trunk, DataPlaneConfig], SessionHandler] | None = None,
     channels_last: bool | None = None,
@@ -98,10 +101,12 @@ def start_trunk_server(
 ) -> TrunkServer:
     """Serve a copy of ``model`` with ``protocol``'s session handler (or ``handler``).
 
-    ``channels_last`` is the trunk's layout (None: the model's own, as in a run).
+    ``channels_last`` is the trunk's layout (None: the model's own, as in a run); ``lr``,
+    ``momentum``, ``weight_decay`` and ``optimizer`` (None: SGD) are the trunk's optimiser.
     """
     server_model = copy.deepcopy(model)
-    trunk = Trunk(server_model, lr=lr, channels_last=channels_last)
+    trunk = Trunk(server_model, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                  optimizer=optimizer, channels_last=channels_last)
     dataplane = dataplane or DataPlaneConfig(max_frame_bytes=1 << 20, max_batch=64)
     spec = protocol_named(protocol)
     if handler is not None:

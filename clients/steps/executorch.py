@@ -39,7 +39,13 @@ from protocols import Protocol, runtime_refusal
 from splitlearn.config import RunSpec
 from splitlearn.dataplane import TrunkChannel
 from splitlearn.models import SplittableModel
-from splitlearn.runtimes import RECOMPUTE_REFUSAL, bottom_refusal, executorch_refusal
+from splitlearn.optim import base_lr, is_light
+from splitlearn.runtimes import (
+    EXECUTORCH_KEY,
+    RECOMPUTE_REFUSAL,
+    bottom_refusal,
+    executorch_refusal,
+)
 
 
 def model_settings(spec: RunSpec) -> str:
@@ -89,7 +95,12 @@ class ExecuTorchSplitStep(SplitStep):
         if refusal is not None:
             raise DeviceFailure(refusal)
         train = spec.strategy
-        self.device = ExecuTorchBottom(model, self.cut, lr=train.lr, momentum=train.momentum,
+        if not is_light(train.optimizer):
+            raise DeviceFailure(f"{EXECUTORCH_KEY}: the exported program steps plain SGD, not "
+                                f"strategy.optimizer._target_={train.optimizer._target_} with "
+                                f"options {sorted(train.optimizer.options)}")
+        self.device = ExecuTorchBottom(model, self.cut, lr=base_lr(train, "device"),
+                                       momentum=train.momentum,
                                        weight_decay=train.weight_decay,
                                        config=model_settings(spec))
 

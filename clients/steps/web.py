@@ -69,6 +69,7 @@ from clients.relay import PhoneFailed
 from clients.steps.base import ClientStep
 from protocols import Protocol
 from splitlearn.config import PrivacyConfig, RunSpec
+from splitlearn.optim import base_lr, is_light
 from splitlearn.privacy import PRIVACY_OPTIONS
 from splitlearn.runtimes import web_refusal
 from splitlearn.web import WebRefusal, describe_stages, device_parts, state_from_web
@@ -113,6 +114,10 @@ def web_step_type(protocol: Protocol, spec: RunSpec, *, recompute: bool) -> type
     refusal = web_refusal(spec.privacy, spec.compression, recompute=recompute)
     if refusal is not None:
         raise DeviceFailure(refusal)
+    if not is_light(spec.strategy.optimizer):
+        raise DeviceFailure(f"a phone (the web runtime) steps plain SGD, not strategy.optimizer."
+                            f"_target_={spec.strategy.optimizer._target_} with options "
+                            f"{sorted(spec.strategy.optimizer.options)}")
     return protocol.client
 
 
@@ -185,7 +190,8 @@ def phone_task(step: ClientStep, protocol: Protocol, loader: DataLoader, *, serv
         data = partition_data(images, labels, holds=holds)
     return {
         "format": TASK_FORMAT, "round": server_round, "cut": step.cut, "parts": parts,
-        "sgd": {"lr": train.lr, "momentum": train.momentum, "weight_decay": train.weight_decay},
+        "sgd": {"lr": base_lr(train, "device"), "momentum": train.momentum,
+                "weight_decay": train.weight_decay},
         "trunk": dict(trunk),
         "data": data,
         "batches": round_batches(loader, epochs=epochs, max_steps=max_steps),

@@ -38,6 +38,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -69,6 +70,7 @@ from splitlearn.dataplane.codec import (
 from splitlearn.dataplane.endpoint import Session
 from splitlearn.dataplane.feedback import ClientFeedback, FeedbackBook
 from splitlearn.merge import client_copy
+from splitlearn.optim import base_lr
 
 
 @dataclass
@@ -99,9 +101,13 @@ class UShapedSession:
         The trunk runs stages ``[cut, tail_cut)``; the device keeps the rest.
     dataplane : DataPlaneConfig
         Batch size and value bounds.
+    devices : StrategyConfig, optional
+        The run's training settings: the devices' optimiser, which the consistency check
+        replays (None: the trunk's own).
     """
 
-    def __init__(self, pool: SharedTrunk, *, tail_cut: int, dataplane: DataPlaneConfig) -> None:
+    def __init__(self, pool: SharedTrunk, *, tail_cut: int, dataplane: DataPlaneConfig,
+                 devices: StrategyConfig | None = None) -> None:
         self.pool = pool
         self.trunk: Trunk = pool.trunk
         self.tail_cut = tail_cut
@@ -120,7 +126,8 @@ class UShapedSession:
         #: Steps that recomputed their forward because the trunk changed in between.
         self.recomputed = 0
         #: Each device's tail as its own steps leave it (the guard's consistency check).
-        self.tails = DeviceTails(**pool.trunk.hyper)
+        self.tails = DeviceTails(**_device_optimizer(devices, pool.trunk),
+                                 lr_factor=lambda: pool.trunk.lr_factor)
 
     @property
     def pending_sessions(self) -> int:
@@ -286,4 +293,13 @@ def ushaped_sessions(
 ) -> UShapedSession:
     """U-shaped sessions on the shared trunk, up to the configured tail cut."""
     tail_cut = options.tail_cut or trunk.model.num_stages - 1  # type: ignore[attr-defined]
-    return UShapedSession(SharedTrunk(trunk), tail_cut=tail_cut, dataplane=dataplane)
+    return UShapedSession(SharedTrunk(trunk), tail_cut=tail_cut, dataplane=dataplane,
+                          devices=options)
+
+
+def _device_optimizer(options: StrategyConfig | None, trunk: Trunk) -> dict[str, Any]:
+    """Return the devices' optimiser settings: the run's, else the trunk's own."""
+    if options is None:
+        return dict(trunk.hyper)
+    return {"lr": base_lr(options, "device"), "momentum": options.momentum,
+            "weight_decay": options.weight_decay, "optimizer": options.optimizer}

@@ -25,6 +25,9 @@ from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
+from splitlearn.config import OptimizerConfig
+from splitlearn.optim import make_optimizer
+
 
 class ExternalGradDPOptimizer(DPOptimizer):
     """Opacus's DPOptimizer whose step also works after an empty batch (noise only)."""
@@ -49,7 +52,9 @@ class DPSGDBottom:
         Client-side layers (every trainable layer must be one Opacus supports:
         no BatchNorm).
     lr, momentum, weight_decay : float
-        SGD settings.
+        The inner optimiser's settings (momentum for SGD only).
+    optimizer : OptimizerConfig, optional
+        The inner optimiser Opacus wraps (None: SGD).
     noise_multiplier : float
         sigma; the noise std added to the sum of clipped gradients is ``sigma * C``.
     max_grad_norm : float
@@ -67,6 +72,7 @@ class DPSGDBottom:
         lr: float,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
+        optimizer: OptimizerConfig | None = None,
         noise_multiplier: float,
         max_grad_norm: float,
         expected_batch_size: float,
@@ -87,11 +93,10 @@ class DPSGDBottom:
                 f"privacy=dpsgd_client needs per-sample gradients of every client-side layer; "
                 f"Opacus refuses this model: {err}"
             ) from err
-        sgd = torch.optim.SGD(
-            bottom.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
-        )
+        inner = make_optimizer(bottom.parameters(), optimizer or OptimizerConfig(), lr=lr,
+                               momentum=momentum, weight_decay=weight_decay, torch_only=True)
         self.optimizer = ExternalGradDPOptimizer(
-            sgd,
+            inner,  # type: ignore[arg-type]
             noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm,
             expected_batch_size=expected_batch_size,

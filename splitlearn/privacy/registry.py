@@ -30,8 +30,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from splitlearn.config import PrivacyConfig
+from splitlearn.config import OptimizerConfig, PrivacyConfig
 from splitlearn.light_sgd import LightSGD
+from splitlearn.optim import make_optimizer
 from splitlearn.privacy.accounting import Step
 from splitlearn.privacy.mechanism import GaussianActivationMechanism, batch_coupled_modules
 
@@ -91,15 +92,16 @@ class ClientPrivacy:
         return activations
 
     def make_optimizer(
-        self, trained: nn.Module, *, lr: float, momentum: float, weight_decay: float
+        self, trained: nn.Module, *, lr: float, momentum: float, weight_decay: float,
+        optimizer: OptimizerConfig | None = None,
     ) -> LightSGD | torch.optim.Optimizer:
-        """Return the optimiser of the device's trained modules (plain SGD here).
+        """Return the optimiser of the device's trained modules (``optimizer``; None: SGD).
 
-        Torch's SGD update without ``torch.optim.SGD``, whose first construction in a
-        process costs seconds (see :mod:`splitlearn.light_sgd`).
+        Plain SGD is torch's update without ``torch.optim.SGD``, whose first construction
+        in a process costs seconds (see :mod:`splitlearn.light_sgd`).
         """
-        return LightSGD(trained.parameters(), lr=lr, momentum=momentum,
-                         weight_decay=weight_decay)
+        return make_optimizer(trained.parameters(), optimizer or OptimizerConfig(), lr=lr,
+                              momentum=momentum, weight_decay=weight_decay)
 
     @classmethod
     def check_source(cls, bottom: nn.Module) -> None:
@@ -179,13 +181,18 @@ class DPSGDClientPrivacy(ClientPrivacy):
         return self.dp_loader
 
     def make_optimizer(
-        self, trained: nn.Module, *, lr: float, momentum: float, weight_decay: float
+        self, trained: nn.Module, *, lr: float, momentum: float, weight_decay: float,
+        optimizer: OptimizerConfig | None = None,
     ) -> torch.optim.Optimizer:
-        """Attach per-sample gradient hooks to ``trained``; return Opacus's DP optimiser."""
+        """Attach per-sample gradient hooks to ``trained``; return Opacus's DP optimiser.
+
+        Opacus clips and noises the per-sample gradients, then ``optimizer`` (None: SGD)
+        steps on their noisy mean.
+        """
         from splitlearn.privacy.dpsgd import DPSGDBottom
 
         self._dp = DPSGDBottom(
-            trained, lr=lr, momentum=momentum, weight_decay=weight_decay,
+            trained, lr=lr, momentum=momentum, weight_decay=weight_decay, optimizer=optimizer,
             noise_multiplier=self.settings.noise_multiplier,
             max_grad_norm=self.settings.clip_norm,
             expected_batch_size=self.expected_batch_size, generator=self.generator,

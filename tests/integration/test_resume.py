@@ -73,7 +73,10 @@ def assert_same_model(a: torch.nn.Module, b: torch.nn.Module) -> None:
     ("planner=rotate", "planner.cuts=[1,2]"),  # cuts differ and move every round
     ("strategy=sequential",),
     ("strategy=local_loss",),
-], ids=["splitfed_v2", "moving-cuts", "sequential", "local_loss"])
+    # Adam's moments in the trunk's checkpoint; the schedule's factor from the round alone
+    ("strategy.optimizer._target_=torch.optim.AdamW", "strategy.lr=0.003",
+     "strategy.schedule._target_=torch.optim.lr_scheduler.CosineAnnealingLR"),
+], ids=["splitfed_v2", "moving-cuts", "sequential", "local_loss", "adamw-cosine"])
 def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path, overrides):
     common = ("strategy.local_epochs=1", f"strategy.num_rounds={ROUNDS}", *overrides)
     random.seed(0)  # Flower samples (and orders sequential turns) with Python's `random`

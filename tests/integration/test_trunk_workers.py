@@ -80,7 +80,7 @@ def workers():
 def reference_copy(trunk: Trunk) -> Trunk:
     hyper = trunk.hyper
     copied = Trunk(copy.deepcopy(trunk.model), lr=hyper["lr"], momentum=hyper["momentum"])
-    copied.load_momentum(trunk.momentum_state())
+    copied.load_optimizer_state(trunk.optimizer_state())
     return copied
 
 
@@ -111,10 +111,10 @@ def test_each_worker_steps_its_clients_and_the_merge_averages_weights_and_moment
         else:
             mean = (references[0].stage_state()[key] + references[1].stage_state()[key]) / 2
             torch.testing.assert_close(value, mean, rtol=1e-6, atol=1e-7)
-    momentum = trunk.momentum_state()
-    assert momentum and set(momentum) == set(references[0].momentum_state())
+    momentum = trunk.optimizer_state()
+    assert momentum and set(momentum) == set(references[0].optimizer_state())
     for key, value in momentum.items():
-        mean = (references[0].momentum_state()[key] + references[1].momentum_state()[key]) / 2
+        mean = (references[0].optimizer_state()[key] + references[1].optimizer_state()[key]) / 2
         torch.testing.assert_close(value, mean, rtol=1e-6, atol=1e-7)
     assert (trunk.steps, trunk.samples) == (6, 48)
 

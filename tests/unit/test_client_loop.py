@@ -25,8 +25,8 @@ from protocols.local_loss import LocalLossOptions
 from protocols.splitfed import SplitFedV2Options
 from protocols.ushaped import UShapedOptions
 from server.sessions.split import splitfed_v2_sessions
-from splitlearn.config import PrivacyConfig, RunSpec
-from splitlearn.dataplane import InProcessTransport, TrunkChannel, TrunkEndpoint
+from splitlearn.config import OptimizerConfig, PrivacyConfig, RunSpec
+from splitlearn.dataplane import GrpcTransport, InProcessTransport, TrunkChannel, TrunkEndpoint
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.messages import SMASHED_RECORD_KEY
 from splitlearn.planning.clock import ClientMeasurement
@@ -292,6 +292,55 @@ def test_split_round_equals_whole_model_sgd_and_reports_its_losses(trunk_server_
     assert max_param_diff(joined, reference) < 1e-5
     assert report.loss == pytest.approx(sum(losses) / 3, rel=1e-5)
     assert report.accuracy == pytest.approx(hits / 48)
+
+
+OPTIMIZERS = {
+    "sgd": OptimizerConfig(),
+    "sgd-nesterov": OptimizerConfig(options={"nesterov": True}),  # torch's SGD, not LightSGD
+    "adam": OptimizerConfig(_target_="torch.optim.Adam"),
+    "adamw": OptimizerConfig(_target_="torch.optim.AdamW", options={"betas": [0.8, 0.95]}),
+}
+
+
+@pytest.mark.parametrize("cut", digits_like_model().valid_cuts)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_split_round_equals_the_whole_model_trained_by_the_same_optimizer(
+        trunk_server_factory, name, cut):
+    # Devices and trunk each step their own parameters with the configured optimiser,
+    # through the real data plane; every optimiser here is per parameter, so together
+    # they are the whole model's optimiser.
+    optimizer = OPTIMIZERS[name]
+    options = SplitFedV2Options(lr=0.01, momentum=0.5, weight_decay=0.01, optimizer=optimizer)
+    model = digits_like_model()
+    reference = copy.deepcopy(model)
+    # The reference's layout: channels-last convolutions round differently, and Adam's
+    # normalised step would magnify that where a gradient is near zero.
+    server = trunk_server_factory(model, options=options, lr=0.01, momentum=0.5,
+                                  weight_decay=0.01, optimizer=optimizer, channels_last=False)
+    batches = fixed_batches(4)
+    channel = TrunkChannel(GrpcTransport(server.service.address, server.token(cut),
+                                         max_frame_bytes=1 << 20))
+    try:
+        train_round(SplitStep(model, RunSpec(strategy=options), cut=cut), channel,
+                    plain(batches), epochs=1)
+    finally:
+        channel.close()
+    kwargs = {"lr": 0.01, "weight_decay": 0.01} | (
+        {"momentum": 0.5} if optimizer._target_ == "torch.optim.SGD" else {})
+    whole = {"sgd": torch.optim.SGD, "sgd-nesterov": torch.optim.SGD, "adam": torch.optim.Adam,
+             "adamw": torch.optim.AdamW}[name](reference.parameters(),
+                                               **kwargs | dict(optimizer.options))
+    reference.train()
+    for x, y in batches:
+        whole.zero_grad()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        whole.step()
+    joined = copy.deepcopy(server.trunk.model)
+    for index in range(cut):
+        joined.stages[index].load_state_dict(model.stages[index].state_dict())
+    untrained = digits_like_model()
+    assert max_param_diff(joined, untrained) > 1e-3  # it trained
+    assert max_param_diff(joined, reference) < 1e-6
 
 
 @pytest.mark.parametrize("protocol", ["splitfed_v2", "ushaped"])

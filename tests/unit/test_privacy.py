@@ -23,7 +23,14 @@ from protocols.local_loss import LocalLossOptions
 from protocols.splitfed import SplitFedV2Options
 from protocols.ushaped import UShapedOptions
 from server.trunk import Trunk
-from splitlearn.config import DataPlaneConfig, PrivacyConfig, RunSpec, StrategyConfig, to_object
+from splitlearn.config import (
+    DataPlaneConfig,
+    OptimizerConfig,
+    PrivacyConfig,
+    RunSpec,
+    StrategyConfig,
+    to_object,
+)
 from splitlearn.dataplane import (
     InProcessTransport,
     TokenRegistry,
@@ -502,6 +509,29 @@ def test_dpsgd_clips_per_sample_gradients_driven_by_the_trunk(clip):
             bottom.parameters(), before, strict=True)))
         assert moved <= len(x) * clip / expected_batch_size * (1 + 1e-5)
     assert not any(hasattr(p, "grad_sample") for p in bottom.parameters())
+
+
+def test_dpsgd_steps_the_configured_optimiser_on_the_clipped_noised_mean():
+    # Noise 0, clip far above every gradient, batch = expected: Opacus's mean gradient is the
+    # plain one, so its Adam step must be Adam's step on the plain gradient.
+    model = digits_like_model("cnn")
+    bottom, trunk = split(copy.deepcopy(model), 2)
+    reference = copy.deepcopy(bottom)
+    x, y = fixed_batches(1, batch=12)[0]
+    grad = external_gradient(bottom, trunk, x, y)
+    dp = DPSGDBottom(bottom, lr=0.01, weight_decay=0.1, noise_multiplier=0.0, max_grad_norm=1e6,
+                     expected_batch_size=12.0,
+                     optimizer=OptimizerConfig(_target_="torch.optim.Adam"))
+    assert type(dp.optimizer.original_optimizer) is torch.optim.Adam
+    dp.optimizer.zero_grad(set_to_none=True)
+    bottom(x).backward(grad)
+    dp.optimizer.step()
+    dp.close()
+    adam = torch.optim.Adam(reference.parameters(), lr=0.01, weight_decay=0.1)
+    reference(x).backward(grad)
+    adam.step()
+    for p, q in zip(bottom.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 def test_dpsgd_empty_batch_takes_a_noise_only_step():

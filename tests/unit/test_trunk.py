@@ -29,10 +29,11 @@ from server.sessions.split import (
     train_on_batch,
 )
 from server.trunk import Trunk
-from splitlearn.config import DataPlaneConfig
+from splitlearn.config import DataPlaneConfig, OptimizerConfig
 from splitlearn.dataplane import FrameError, Reason, Session, SessionGrant, TrunkRejected
 from splitlearn.dataplane import trunk_pb2 as pb
 from splitlearn.dataplane.codec import decode_tensor, encode_tensor
+from splitlearn.merge import stage_of
 from splitlearn.stages import bottom_state
 from tests.conftest import digits_like_model, fixed_batches, small_config
 from tests.helpers import imports_in_a_fresh_process, max_param_diff
@@ -423,26 +424,31 @@ def test_a_refused_batching_step_refuses_every_batch_in_it_and_changes_nothing()
 # --- what trunk workers exchange: momentum and books ---------------------------------
 
 
-def test_momentum_round_trips_and_parameters_it_lacks_start_afresh():
+@pytest.mark.parametrize("optimizer", [
+    OptimizerConfig(),
+    OptimizerConfig(_target_="torch.optim.AdamW", options={"betas": [0.8, 0.99]}),
+], ids=["sgd", "adamw"])
+def test_optimizer_state_round_trips_and_parameters_it_lacks_start_afresh(optimizer):
     model = digits_like_model()
-    trunk = Trunk(copy.deepcopy(model), lr=LR, momentum=0.9)
-    assert trunk.momentum_state() == {}  # nothing stepped yet
+    trunk = Trunk(copy.deepcopy(model), lr=LR, momentum=0.9, optimizer=optimizer)
+    assert trunk.optimizer_state() == {}  # nothing stepped yet
     train_on_batch(trunk, CUT, *activations(model, 1))
-    momentum = trunk.momentum_state()
-    # Keyed like the stages' state; only the stages the trunk trained have momentum.
+    state = trunk.optimizer_state()
+    # Keyed by the stages' state keys; only the stages the trunk trained have any.
     trained = {n for n, _ in trunk.model.stages.named_parameters() if int(n.split(".")[0]) >= CUT}
-    assert trained and set(momentum) == trained
-    other = Trunk(copy.deepcopy(model), lr=LR, momentum=0.9)
-    other.load_momentum(momentum)
-    # The same next step from the same weights and momentum gives the same weights.
+    assert trained and {k.rpartition("|")[0] for k in state} == trained
+    assert all(stage_of(k) >= CUT for k in state)  # merged per stage, as the weights are
+    other = Trunk(copy.deepcopy(model), lr=LR, momentum=0.9, optimizer=optimizer)
+    other.load_optimizer_state(state)
+    # The same next step from the same weights and optimiser state gives the same weights.
     other.load_stages(trunk.stage_state())
     batch = activations(model, 2)
     train_on_batch(trunk, CUT, *batch)
     train_on_batch(other, CUT, *batch)
     assert max_param_diff(trunk.model, other.model) == 0.0
-    dropped = {k: v for k, v in other.momentum_state().items() if not k.startswith(f"{CUT}.")}
-    other.load_momentum(dropped)
-    assert set(other.momentum_state()) == set(dropped)
+    dropped = {k: v for k, v in other.optimizer_state().items() if not k.startswith(f"{CUT}.")}
+    other.load_optimizer_state(dropped)
+    assert set(other.optimizer_state()) == set(dropped)
 
 
 def test_take_books_returns_the_counts_since_the_last_take(fake_clock):
