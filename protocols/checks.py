@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from protocols.registry import PROTOCOLS, protocol_named, runtime_refusal
 from protocols.spec import Capabilities, Protocol
+from splitlearn.accelerators import resolve_device
 from splitlearn.config import Config, check_keys, run_spec, to_object
 from splitlearn.models import SplittableModel
 from splitlearn.optim import check_optimizers
@@ -64,6 +65,7 @@ def check_config(cfg: DictConfig) -> None:
     check_privacy_source(config, model)
     check_client_runtime(config, protocol, model)
     check_optimizers(config.strategy, light_only_devices=light_only_runtime(config))
+    resolve_device(config.server.device)  # a device this machine lacks, refused by name
     check_device_privacy(config)
     check_trunk_workers(config)
     check_aggregation(config)

@@ -12,6 +12,7 @@ Either way the config is checked before anything starts (:func:`protocols.check_
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import shlex
@@ -133,6 +134,7 @@ def trunk_recipe(cfg: DictConfig) -> TrunkRecipe:
     return TrunkRecipe(
         protocol=cfg.strategy.name, model=to_object(cfg.model), dataset=to_object(cfg.dataset),
         seed=cfg.seed, options=to_object(cfg.strategy), dataplane=dataplane,
+        server=to_object(cfg.server),
     )
 
 
@@ -187,9 +189,11 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
         spec = run_spec(cfg, host_flops_per_s=resumed.measured["host_flops_per_s"])
         spec.devices.host_flops_by_cut = dict(resumed.measured["host_flops_by_cut"])
     else:
-        spec = run_spec(cfg, host_flops_per_s=host_flops_for(cfg, trunk.model) if fleet else 0.0)
+        # The devices' work is emulated on this host's CPU: measured on a host copy.
+        spec = run_spec(cfg, host_flops_per_s=host_flops_for(cfg, trunk.snapshot()) if fleet
+                        else 0.0)
         if fleet and cfg.planner.name != "uniform":
-            spec.devices.host_flops_by_cut = host_flops_by_cut(cfg, trunk.model)
+            spec.devices.host_flops_by_cut = host_flops_by_cut(cfg, trunk.snapshot())
     config = to_container(cfg)
     config["devices"]["host_flops_per_s"] = spec.devices.host_flops_per_s  # as measured
     config["devices"]["host_flops_by_cut"] = dict(spec.devices.host_flops_by_cut)
@@ -230,7 +234,7 @@ def make_planning(cfg: DictConfig, trunk: Trunk, *, resuming: bool = False
                                 error_feedback=encoding.error_feedback, feature_entries=features)
 
     costs = [as_the_run_sends(c)
-             for c in cut_costs(trunk.model, batch_size=cfg.strategy.batch_size, leak=leak,
+             for c in cut_costs(trunk.snapshot(), batch_size=cfg.strategy.batch_size, leak=leak,
                                 tail_cut=tail_cut, frees_output=step.frees_sent_output)
              if c.cut in allowed]
     shared = protocol_named(cfg.strategy.name).capabilities.trunk == "shared"
@@ -247,7 +251,8 @@ def make_planning(cfg: DictConfig, trunk: Trunk, *, resuming: bool = False
             (1.0, cfg.strategy.batch_size * c.server_flops_per_sample,
              measure_trunk_step_s(trunk.model, c.cut, end=tail_cut,
                                   batch_size=cfg.strategy.batch_size,
-                                  threads=cfg.engine.torch_threads))
+                                  threads=cfg.engine.torch_threads,
+                                  precision=trunk.precision))
             for c in costs],
     )
 
@@ -342,7 +347,8 @@ def initial_arrays(runtime: SplitRuntime) -> ArrayRecord:
     """Return what the clients hold at round 1 (the protocol's client step says which stages)."""
     planning = runtime.planning
     cuts = sorted(planning.costs) if planning is not None else [runtime.spec.model.cut]
-    state = runtime.protocol.client.initial_state(runtime.trunk.model, runtime.spec, cuts=cuts)
+    state = runtime.protocol.client.initial_state(runtime.trunk.snapshot(), runtime.spec,
+                                                  cuts=cuts)
     return state_to_record(state)
 
 
@@ -573,12 +579,15 @@ class RoundReporter:
     def _evaluate(self, deployed: nn.Module) -> tuple[float, float]:
         # In the trunk's layout (1.6x faster for the SmallCNN alone; `deployed` is the
         # reporter's own copy), and on every core: between rounds the trunk is idle.
-        channels_last = self.runtime.trunk.channels_last
+        # On the trunk's device: a copy there, as the guard's reference reads this one.
+        channels_last, device = self.runtime.trunk.channels_last, self.runtime.trunk.device
+        if device.type != "cpu":
+            deployed = copy.deepcopy(deployed)
         if channels_last:
             deployed = deployed.to(memory_format=torch.channels_last)
         with intra_op_threads(usable_cores()):
             loss, accuracy, _ = evaluate_model(deployed, self.test_loader,
-                                               channels_last=channels_last)
+                                               channels_last=channels_last, device=device)
         return loss, accuracy
 
     def _with_profile(self, row: dict[str, Any]) -> dict[str, Any]:

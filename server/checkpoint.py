@@ -37,8 +37,8 @@ from splitlearn.atomic import write_atomic
 CHECKPOINT_FILE = "checkpoint.pt"
 #: Config keys that may differ between a run and its resumption (where it runs, how
 #: long, what it logs to); everything else must be the experiment's own.
-RESUMABLE_KEYS = ("resume", "run_dir", "logger", "engine", "dataplane", "strategy.num_rounds",
-                  "strategy.round_timeout_s")
+RESUMABLE_KEYS = ("resume", "run_dir", "logger", "engine", "dataplane", "server.device",
+                  "strategy.num_rounds", "strategy.round_timeout_s")
 
 
 @dataclass

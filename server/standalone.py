@@ -26,7 +26,7 @@ import grpc
 from protocols import protocol_named
 from server.guard import TrunkGuard
 from server.trunk import Trunk
-from splitlearn.config import DataPlaneConfig, StrategyConfig
+from splitlearn.config import DataPlaneConfig, ServerConfig, StrategyConfig
 from splitlearn.dataplane import SessionHandler, TokenRegistry, TrunkEndpoint, TrunkService
 from splitlearn.models import SplittableModel
 from splitlearn.optim import base_lr, side_config
@@ -43,7 +43,8 @@ class TrunkSide:
 
 
 def build_trunk_side(model: SplittableModel, options: StrategyConfig,
-                     dataplane: DataPlaneConfig, *, sticky_core: bool = False) -> TrunkSide:
+                     dataplane: DataPlaneConfig, *, sticky_core: bool = False,
+                     server: ServerConfig | None = None) -> TrunkSide:
     """Build the trunk of ``model`` and ``options.name``'s session handler on it.
 
     Parameters
@@ -58,12 +59,16 @@ def build_trunk_side(model: SplittableModel, options: StrategyConfig,
         trunk's layout.
     sticky_core : bool, optional
         Start each step on the core the last one ended on.
+    server : ServerConfig, optional
+        Where the trunk computes, and in what precision (None: the CPU, float32).
     """
+    server = server or ServerConfig()
     protocol = protocol_named(options.name)
     guard = TrunkGuard(dataplane.guard) if dataplane.guard.enabled else None
     optimizer, _ = side_config(options, "trunk")
     trunk = Trunk(model, lr=base_lr(options, "trunk"), momentum=options.momentum,
                   weight_decay=options.weight_decay, optimizer=optimizer,
+                  device=server.device, precision=server.precision,
                   channels_last=dataplane.channels_last,
                   sticky_core=sticky_core, guard=guard)
     handler = protocol.trunk(trunk, options, dataplane) if protocol.trunk else None

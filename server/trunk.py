@@ -24,6 +24,7 @@ from torch.nn.utils import get_total_norm, parameters_to_vector
 
 from server.cores import StickyCore
 from server.guard import TrunkGuard
+from splitlearn.accelerators import autocast, resolve_device
 from splitlearn.config import OptimizerConfig
 from splitlearn.dataplane.codec import FrameError, Reason
 from splitlearn.models import SplittableModel
@@ -48,6 +49,14 @@ class Trunk:
         and SGD's momentum and weight decay (:func:`splitlearn.optim.optimizer_kwargs`).
     optimizer : OptimizerConfig, optional
         Which optimiser (Hydra ``_target_``); None: plain SGD.
+    device : torch.device | str
+        Where the model, its optimiser state and its steps live (a ``server.device``
+        value, resolved by :func:`splitlearn.accelerators.resolve_device`). Each batch
+        moves there and its answer back to the host; every state this class returns
+        (stages, optimiser state, checkpoint, snapshot) is on the host.
+    precision : str
+        ``fp32``, or ``bf16``: the forward under autocast to bfloat16 (its output, and
+        so the loss and the gradient at the cut, back in float32).
     channels_last : bool, optional
         Give the stages 4-D activations channels-last (NHWC); None: as the model
         prefers (:attr:`SplittableModel.channels_last`). Only the activations change
@@ -65,9 +74,14 @@ class Trunk:
     def __init__(
         self, model: SplittableModel, *, lr: float, momentum: float = 0.0,
         weight_decay: float = 0.0, optimizer: OptimizerConfig | None = None,
+        device: torch.device | str = "cpu", precision: str = "fp32",
         channels_last: bool | None = None, sticky_core: bool = True,
         guard: TrunkGuard | None = None,
     ) -> None:
+        self.device = resolve_device(device) if isinstance(device, str) else device
+        self.precision = precision
+        autocast(self.device, precision)  # refuses an unknown precision now, not mid-step
+        self._on_host = self.device.type == "cpu"
         self.model = model
         self.guard = guard
         self.hyper = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
@@ -78,6 +92,7 @@ class Trunk:
         # Shapes never change; probing them per frame would run the model under
         # concurrent training steps.
         self._cut_shapes = {cut: model.cut_shape(cut) for cut in model.valid_cuts}
+        model.to(self.device)  # before the optimiser: its state is made where the weights are
         self.optimizer = make_optimizer(
             model.parameters(), self.hyper["optimizer"], lr=lr, momentum=momentum,
             weight_decay=weight_decay, key="strategy.trunk_optimizer")
@@ -110,14 +125,19 @@ class Trunk:
         """Run stages ``[start, end)`` (to the output when ``end`` is None)."""
         if self._step_cut is not None and self._step_rows is None:
             self._step_rows = x  # the batch as the session admitted it (a view of its frame)
+        if not self._on_host:  # differentiable: the gradient at the cut comes back to the host
+            x = x.to(self.device, non_blocking=True)
         if self.channels_last and x.dim() == 4:
             # A differentiable copy: a leaf's .grad keeps the leaf's layout (autograd's
             # layout contract), so the gradient at the cut goes back as it came.
             x = x.contiguous(memory_format=torch.channels_last)
-        # islice: slicing the ModuleList would build a new ModuleList per step (~25 us).
-        for stage in itertools.islice(self.model.stages, start, end):
-            x = stage(x)
-        return x
+        with autocast(self.device, self.precision):
+            # islice: slicing the ModuleList would build a new ModuleList per step (~25 us).
+            for stage in itertools.islice(self.model.stages, start, end):
+                x = stage(x)
+        if self.precision != "fp32" and x.is_floating_point():
+            x = x.float()  # the loss, and what goes back on the wire, in float32
+        return x if self._on_host else x.to("cpu")
 
     @contextmanager
     def _held(self, *, train: bool) -> Iterator[None]:
@@ -241,7 +261,7 @@ class Trunk:
         stepped (or that keep no state, such as SGD without momentum) are left out.
         """
         with self._lock:
-            return {f"{name}{STATE_SEP}{entry}": value.clone()
+            return {f"{name}{STATE_SEP}{entry}": value.to("cpu", copy=True)
                     for name, param in self.model.stages.named_parameters()
                     if (state := self.optimizer.state.get(param))
                     for entry, value in state.items()
@@ -252,11 +272,15 @@ class Trunk:
         by_param: dict[str, dict[str, Tensor]] = {}
         for key, value in saved.items():
             name, _, entry = key.rpartition(STATE_SEP)
-            by_param.setdefault(name, {})[entry] = value.clone()
+            by_param.setdefault(name, {})[entry] = value
         with self._lock:
             for name, param in self.model.stages.named_parameters():
                 if name in by_param:
-                    self.optimizer.state[param] = by_param[name]
+                    # Per-parameter state where the parameter is; a scalar (Adam's step count)
+                    # stays on the host, as torch's optimisers keep it.
+                    self.optimizer.state[param] = {
+                        entry: value.to(param.device, copy=True) if value.dim() else value.clone()
+                        for entry, value in by_param[name].items()}
                 else:
                     self.optimizer.state.pop(param, None)
 
@@ -279,7 +303,8 @@ class Trunk:
     def stage_state(self) -> dict[str, Tensor]:
         """Return a copy of every stage's state, keyed ``"<stage index>.…"`` as clients do."""
         with self._lock:
-            return {k: v.detach().clone() for k, v in self.model.stages.state_dict().items()}
+            return {k: v.detach().to("cpu", copy=True)
+                    for k, v in self.model.stages.state_dict().items()}
 
     def load_stages(self, state: Mapping[str, Tensor]) -> None:
         """Replace the stages ``state`` names (keys ``"<stage index>.…"``, whole stages only)."""
@@ -289,22 +314,22 @@ class Trunk:
     def fork(self) -> Trunk:
         """Return an independent trunk on a copy of the model, with a fresh optimiser."""
         with self._lock:
-            forked = Trunk(copy.deepcopy(self.model), **self.hyper,
-                           channels_last=self.channels_last, sticky_core=self.core.active,
-                           guard=self.guard)
+            forked = Trunk(copy.deepcopy(self.model), **self.hyper, device=self.device,
+                           precision=self.precision, channels_last=self.channels_last,
+                           sticky_core=self.core.active, guard=self.guard)
         forked.set_lr_factor(self.lr_factor)
         return forked
 
     def snapshot(self) -> SplittableModel:
-        """Return an independent copy of the whole server model."""
+        """Return an independent copy of the whole server model, on the host."""
         with self._lock:
-            return copy.deepcopy(self.model)
+            return copy.deepcopy(self.model).to("cpu")
 
     def state_dict(self) -> dict[str, Any]:
         """Return everything that carries over between rounds: weights, momentum, books."""
         with self._lock:
-            return {"model": copy.deepcopy(self.model.state_dict()),
-                    "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            return {"model": _on_host(self.model.state_dict()),
+                    "optimizer": _on_host(self.optimizer.state_dict()),
                     "books": {"steps": self.steps, "samples": self.samples,
                               "busy_s": self.busy_s, "stage_samples": list(self.stage_samples)}}
 
@@ -323,3 +348,14 @@ class Trunk:
             self.steps += steps
             self.samples += samples
             self.busy_s += busy_s
+
+
+def _on_host(state: Any) -> Any:
+    """Return a copy of ``state`` (nested dicts and lists of tensors), every tensor on the host."""
+    if isinstance(state, Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _on_host(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_on_host(v) for v in state)
+    return copy.deepcopy(state)

@@ -43,7 +43,7 @@ import ssl
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,13 @@ from torch import Tensor
 from server.allocator import reuse_freed_memory
 from server.standalone import build_trunk_side
 from server.trunk import Trunk
-from splitlearn.config import DataPlaneConfig, DatasetConfig, ModelConfig, StrategyConfig
+from splitlearn.config import (
+    DataPlaneConfig,
+    DatasetConfig,
+    ModelConfig,
+    ServerConfig,
+    StrategyConfig,
+)
 from splitlearn.dataplane import TokenRegistry, TrunkEndpoint, TrunkService
 from splitlearn.dataplane.feedback import FeedbackBook
 from splitlearn.dataplane.tokens import SessionGrant
@@ -83,6 +89,8 @@ class TrunkRecipe:
         The protocol's options (learning rate, momentum, batching).
     dataplane : DataPlaneConfig
         What the data plane accepts, and where it serves.
+    server : ServerConfig
+        Where the trunk computes, and in what precision.
     """
 
     protocol: str
@@ -91,6 +99,7 @@ class TrunkRecipe:
     seed: int
     options: StrategyConfig
     dataplane: DataPlaneConfig
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     @property
     def sticky_core(self) -> bool:
@@ -104,8 +113,20 @@ class TrunkRecipe:
         from splitlearn.models.factory import build_model_from_config
 
         model = build_model_from_config(self.model, self.dataset, seed=self.seed)
-        side = build_trunk_side(model, self.options, self.dataplane, sticky_core=self.sticky_core)
+        side = build_trunk_side(model, self.options, self.dataplane, sticky_core=self.sticky_core,
+                                server=self.server)
         return side.trunk, side.handler, side.tokens, side.endpoint
+
+    def for_worker(self, index: int) -> TrunkRecipe:
+        """Return the recipe of trunk worker ``index``: on its own GPU where there are several.
+
+        ``server.device`` ``cuda`` or ``auto`` puts worker ``i`` on ``cuda:(i mod N)`` when
+        this machine has N > 1 CUDA devices; a named device (``cuda:1``) holds every worker.
+        """
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if self.server.device not in ("cuda", "auto") or count < 2:
+            return self
+        return replace(self, server=replace(self.server, device=f"cuda:{index % count}"))
 
 
 def server_credentials(dataplane: DataPlaneConfig) -> grpc.ServerCredentials | None:
@@ -328,7 +349,8 @@ class TrunkWorkers:
         for index in range(count):
             parent, child = context.Pipe()
             port = recipe.dataplane.port + index if recipe.dataplane.port else 0
-            process = context.Process(target=serve_worker, args=(recipe, port, child),
+            process = context.Process(target=serve_worker,
+                                      args=(recipe.for_worker(index), port, child),
                                       name=f"trunk-worker-{index}", daemon=True)
             process.start()
             child.close()

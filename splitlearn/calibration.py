@@ -393,22 +393,28 @@ def measure_trunk_step_s(
     end: int | None = None,
     threads: int = 1,
     min_seconds: float = 0.05,
+    precision: str = "fp32",
 ) -> float:
-    """Median seconds of one trunk training step of stages ``[cut, end)`` on this host.
+    """Median seconds of one trunk training step of stages ``[cut, end)`` where it runs.
 
-    The step a trunk takes for one batch: forward, a loss, backward to its weights and to
-    the activations it was sent (their gradient goes back), a plain SGD update. Noise
-    as input; ``model`` is not modified. What the step costs beyond its FLOPs (at a deep
+    The step a trunk takes for one batch: forward (under ``precision``'s autocast, on the
+    device ``model``'s weights are on), a loss, backward to its weights and to the
+    activations it was sent (their gradient goes back), a plain SGD update. Noise as
+    input; ``model`` is not modified. What the step costs beyond its FLOPs (at a deep
     cut, most of it) is what the planner's trunk model learns from these.
     """
     import copy
 
+    from splitlearn.accelerators import autocast, synchronize
+
     stages = nn.Sequential(*copy.deepcopy(model.stages[_checked_cut(model, cut):end]))
-    inputs = torch.rand(batch_size, *model.cut_shape(cut), requires_grad=True)
+    device = next(model.parameters()).device
+    inputs = torch.rand(batch_size, *model.cut_shape(cut), device=device, requires_grad=True)
     params = [p for p in stages.parameters() if p.requires_grad]
 
     def step() -> None:
-        out = stages(inputs)
+        with autocast(device, precision):
+            out = stages(inputs)
         out.float().square().mean().backward()
         with torch.no_grad():
             for param in params:
@@ -416,6 +422,7 @@ def measure_trunk_step_s(
                     param.add_(param.grad, alpha=-1e-6)
                     param.grad = None
         inputs.grad = None
+        synchronize(device)  # the step's time, not the time to queue it
 
     return _median_step_s(step, threads=threads, min_seconds=min_seconds)
 

@@ -247,6 +247,37 @@ class GuardConfig:
                 raise ValueError(f"dataplane.guard.{key}={getattr(self, key)}: need >= 1")
 
 
+#: ``server.precision`` values: float32 throughout, or the trunk's forward in bfloat16.
+SERVER_PRECISIONS = ("fp32", "bf16")
+#: ``server.device`` values, besides ``cuda:N`` (the N-th CUDA device).
+SERVER_DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+@dataclass
+class ServerConfig:
+    """Where the trunk computes, and in what precision (splitlearn/accelerators.py).
+
+    ``device``: ``auto`` (CUDA, else MPS, else the CPU), ``cpu``, ``cuda``, ``cuda:N`` or
+    ``mps``; a device this machine lacks is refused before the run starts. The trunk trains
+    there; frames arrive and leave on the host. ``precision``: ``bf16`` runs the trunk's
+    forward under autocast to bfloat16 (its weights, optimiser state and the gradient sent
+    back stay float32).
+    """
+
+    device: str = "cpu"
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        index = self.device.removeprefix("cuda:")
+        if self.device not in SERVER_DEVICES and not (
+                self.device.startswith("cuda:") and index.isdigit()):
+            raise ValueError(f"server.device={self.device!r}; accepted: "
+                             f"{list(SERVER_DEVICES)} or cuda:N")
+        if self.precision not in SERVER_PRECISIONS:
+            raise ValueError(f"server.precision={self.precision!r}; accepted: "
+                             f"{list(SERVER_PRECISIONS)}")
+
+
 @dataclass
 class DataPlaneConfig:
     """The trunk's gRPC service and what it accepts."""
@@ -722,6 +753,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     dataplane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)

@@ -13,7 +13,7 @@ from torch import nn
 @torch.no_grad()
 def evaluate_model(
     model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
-    channels_last: bool = False,
+    channels_last: bool = False, device: torch.device | None = None,
 ) -> tuple[float, float, int]:
     """Evaluate a whole model (centralised evaluation).
 
@@ -28,6 +28,9 @@ def evaluate_model(
     channels_last : bool, optional
         Give the model 4-D inputs channels-last (the same numbers in another
         memory order, which oneDNN's convolutions run faster on).
+    device : torch.device, optional
+        Evaluate there (the model is moved, each batch is copied); None: where the
+        model is, with the batches as they come.
 
     Returns
     -------
@@ -35,9 +38,14 @@ def evaluate_model(
         Mean cross-entropy, accuracy and number of examples.
     """
     model.eval()
+    if device is not None:
+        model.to(device)
     examples = correct = 0
     loss_sum = 0.0
     for inputs, labels in batches:
+        if device is not None:
+            inputs = inputs.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
         if channels_last and inputs.dim() == 4:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
         logits = model(inputs)

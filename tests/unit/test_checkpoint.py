@@ -49,10 +49,13 @@ def test_the_trunk_restores_weights_momentum_and_books():
 def test_a_resume_may_change_where_and_how_long_but_not_the_experiment():
     saved = {"seed": 0, "run_dir": "a", "resume": False, "logger": {"name": "wandb"},
              "strategy": {"num_rounds": 5, "lr": 0.05}, "dataplane": {"port": 0},
-             "model": {"name": "cnn", "cut": 1}}
+             "model": {"name": "cnn", "cut": 1}, "server": {"device": "cuda", "precision": "fp32"}}
     resumed = saved | {"run_dir": "a", "resume": True, "logger": {"name": "none"},
-                       "strategy": {"num_rounds": 10, "lr": 0.05}, "dataplane": {"port": 9}}
-    assert first_difference(saved, resumed) is None
+                       "strategy": {"num_rounds": 10, "lr": 0.05}, "dataplane": {"port": 9},
+                       "server": {"device": "cpu", "precision": "fp32"}}
+    assert first_difference(saved, resumed) is None  # a GPU's run resumes on a CPU
+    assert first_difference(saved, resumed | {"server": {"device": "cpu", "precision": "bf16"}}
+                            ) == "server.precision"
     assert first_difference(saved, resumed | {"model": {"name": "cnn", "cut": 2}}) == "model.cut"
     assert first_difference(saved, resumed | {"strategy": {"num_rounds": 5, "lr": 0.1}}) == (
         "strategy.lr")
