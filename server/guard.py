@@ -31,10 +31,15 @@ every other device's batches were refused ``STEP_NOT_FINITE`` from then on. A
   trunk keeps its pre-step weights, momentum and batch-norm statistics (the snapshot
   :meth:`server.trunk.Trunk.step` restores). Rows inside every bound can still carry
   lies (labels flipped, activations scaled); once the trunk has learned, such a batch's
-  loss is tens of times the recent median, an honest one's within a few times (label
-  skew included). The loss of a step over several devices' batches together
-  (``batch_concurrent``) is not checked: refusing it would refuse the honest rows with
-  the poisoned ones, and the trunk cannot tell one device's share of it.
+  loss is tens of times the recent median. So can an honest one's under strong label
+  skew: the trunk, trained on other devices' classes since, has forgotten this one's.
+  A batch beyond the bound is therefore compared with the server's own held-out rows
+  of the same labels (seeded each round at every cut), run through the trunk as it is
+  at that step: within ``label_factor`` times their loss it is taken. Flipped labels
+  stay far beyond what their claimed classes' true rows give. The loss of a step over
+  several devices' batches together (``batch_concurrent``) is not checked: refusing it
+  would refuse the honest rows with the poisoned ones, and the trunk cannot tell one
+  device's share of it.
 * **Gradients a labelling explains.** An honest U-shaped device returns, for each
   example, ``(p - e_y) J / B``: its tail's softmax minus the one-hot of its label, through
   the tail's Jacobian at the features it received, over its batch size. The server holds
@@ -126,6 +131,9 @@ class TrunkGuard:
         # trains on a view of the rows its session admitted, so the address names the sender.
         self._senders: dict[int, tuple[weakref.ref[Tensor], str, int]] = {}
         self._strikes: dict[tuple[str, int], int] = {}
+        # The server's held-out rows at each cut and their labels (the last seeding's).
+        self._reference_rows: dict[int, Tensor] = {}
+        self._reference_labels: Tensor | None = None
         self._round = 0  # the latest round seen: older rounds' strikes are dropped
         #: Counts since :meth:`take_books`: refused frames (of them, for their loss), clipped
         #: steps, quarantined devices.
@@ -210,23 +218,31 @@ class TrunkGuard:
             return None
         return client, server_round
 
-    def check_loss(self, loss: float, cut: int, *, classes: int, rows: Tensor | None) -> None:
+    def check_loss(self, loss: float, cut: int, *, classes: int, rows: Tensor | None,
+                   labels: Tensor | None = None,
+                   reference: Callable[[Tensor, Tensor], float] | None = None) -> None:
         """Refuse a batch whose mean loss is far beyond its cut's recent range (a strike).
 
         Called by the trunk before the batch's update is computed. Only a batch that is
-        one device's admitted frame (``rows``) is checked and enters the statistics.
+        one device's admitted frame (``rows``) is checked and enters the statistics. A
+        batch beyond the bound whose ``labels`` are given is taken when its loss is within
+        ``label_factor`` times ``reference(rows, labels)``: the trunk's mean loss, as it is
+        now, on the server's held-out rows at ``cut`` with the same labels.
 
         Raises
         ------
         FrameError
-            ``OUT_OF_RANGE`` beyond ``max(ln classes, loss_factor x median)``.
+            ``OUT_OF_RANGE`` beyond ``max(ln classes, loss_factor x median)`` and beyond
+            ``label_factor`` times the same labels' reference loss.
         """
         sender = self.sender_of(rows)
         if sender is not None:
-            self._check_loss_of(sender, loss, cut, classes=classes)
+            self._check_loss_of(sender, loss, cut, classes=classes, labels=labels,
+                                reference=reference)
 
     def _check_loss_of(self, sender: tuple[str, int], loss: float, cut: int, *,
-                       classes: int, floor: float = 1.0) -> None:
+                       classes: int, floor: float = 1.0, labels: Tensor | None = None,
+                       reference: Callable[[Tensor, Tensor], float] | None = None) -> None:
         """Check ``sender``'s batch loss at ``cut`` (see :meth:`check_loss`).
 
         The bound is at least ``floor`` times the chance level ``ln classes``.
@@ -235,16 +251,46 @@ class TrunkGuard:
             return  # a non-finite loss leaves non-finite gradients: STEP_NOT_FINITE
         with self._lock:
             window = self._loss_window(cut)
-            if window.median is not None:
-                bound = max(floor * math.log(classes), self.config.loss_factor * window.median)
-                if loss > bound:
-                    self.loss_refused += 1
-                    self._strike(*sender)
-                    raise FrameError(Reason.OUT_OF_RANGE, (
-                        f"the batch's loss {loss:.4g} at cut {cut} is beyond the bound "
-                        f"{bound:.4g} from recent batches (median {window.median:.4g}); "
-                        "not applied"))
-            window.add([loss])
+            median = window.median
+            bound = None if median is None else max(floor * math.log(classes),
+                                                    self.config.loss_factor * median)
+            if bound is None or loss <= bound:
+                window.add([loss])
+                return
+            same = self._same_labels(cut, labels) if reference is not None else None
+        # Outside the lock: the reference runs the trunk's stages.
+        known = None if same is None else reference(*same)  # type: ignore[misc]
+        with self._lock:
+            if known is not None and loss <= self.config.label_factor * known:
+                window.add([loss])
+                return
+            self.loss_refused += 1
+            self._strike(*sender)
+        beside = "" if known is None else f", {known:.4g} on held-out rows of its labels"
+        raise FrameError(Reason.OUT_OF_RANGE, (
+            f"the batch's loss {loss:.4g} at cut {cut} is beyond the bound {bound:.4g} from "
+            f"recent batches (median {median:.4g}{beside}); not applied"))
+
+    def _same_labels(self, cut: int, labels: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """Return held-out rows at ``cut`` with ``labels``' labels, one per row (None: too few).
+
+        Each label takes the held-out rows of that label in turn; a batch whose labels
+        are not half covered by held-out rows (a class the server holds no example of)
+        gets none.
+        """
+        rows, held = self._reference_rows.get(cut), self._reference_labels
+        if not self.config.label_factor or labels is None or rows is None or held is None:
+            return None
+        wanted = labels.detach().to("cpu", torch.long).flatten()
+        picks: list[int] = []
+        for label, count in zip(*torch.unique(wanted, return_counts=True), strict=True):
+            pool = torch.nonzero(held == label).flatten()
+            if len(pool):
+                picks += pool.repeat(int(count) // len(pool) + 1)[:int(count)].tolist()
+        if 2 * len(picks) < len(wanted):
+            return None
+        index = torch.tensor(picks)
+        return rows[index], held[index]
 
     def check_returned(self, client: str, server_round: int, cut: int, *, tail: nn.Module,
                        features: Tensor, grad: Tensor) -> Consistency | None:
@@ -326,6 +372,13 @@ class TrunkGuard:
         if what == "loss":
             self._seed_losses(cut, rows.detach().flatten().tolist())
             return
+        if what == "labels":  # the held-out rows' labels, for the same-label reference
+            with self._lock:
+                self._reference_labels = rows.detach().to("cpu", torch.long).flatten()
+            return
+        if what == "activations":  # ... and their rows at this cut
+            with self._lock:
+                self._reference_rows[cut] = rows.detach()
         if what == "residual":  # the server's own batches, returned as devices return them
             with self._lock:
                 window = self._residuals[cut] = _Window(self.config.window_steps,
@@ -480,5 +533,6 @@ def reference_rows(model: nn.Module, inputs: Tensor, labels: Tensor, *, cuts: Se
             losses = nn.functional.cross_entropy(x, labels, reduction="none")
         means = torch.stack([chunk.mean() for chunk in losses.split(batch_size)])
         rows |= {("loss", cut): means for cut in cuts}
+    rows["labels", 0] = labels.detach()  # the same-label reference of the loss check
     return rows
 

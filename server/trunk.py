@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.utils import get_total_norm, parameters_to_vector
 
 from server.cores import StickyCore
@@ -159,8 +159,10 @@ class Trunk:
         """Hold the trunk for one update; the body runs its forward and calls the yielded backward.
 
         ``with trunk.step(samples=n, from_stage=cut) as backward: ...; backward(loss)``
-        (or ``backward(output, gradient)``); stages ``[from_stage, to_stage)`` (to the
-        last when ``to_stage`` is None; a U-shaped tail is the device's) are booked
+        (``backward(loss, labels=labels)`` lets the guard compare the batch's loss with
+        held-out rows of the same labels; or ``backward(output, gradient)``); stages
+        ``[from_stage, to_stage)`` (to the last when ``to_stage`` is None; a U-shaped tail
+        is the device's) are booked
         as trained on ``samples``. The update is applied only if the body
         returns and every gradient is finite; otherwise nothing changes (weights,
         optimiser state, and buffers the forward moved such as batch-norm statistics).
@@ -192,15 +194,31 @@ class Trunk:
             for index in range(from_stage, to_stage or len(self.stage_samples)):
                 self.stage_samples[index] += samples
 
-    def _backward(self, output: Tensor, gradient: Tensor | None = None) -> None:
+    def _backward(self, output: Tensor, gradient: Tensor | None = None, *,
+                  labels: Tensor | None = None) -> None:
         if gradient is None and self.guard is not None and self._step_cut is not None:
             # ``output`` is the batch's mean loss: refused before any gradient is computed.
             self.guard.check_loss(float(output.detach()), self._step_cut, classes=self.num_classes,
-                                  rows=self._step_rows)
+                                  rows=self._step_rows, labels=labels,
+                                  reference=self._reference_loss)
         # Zeroed right before the backward: the gradients then reuse the memory the
         # last step's just freed (zeroing before the forward cost ~8% per step).
         self.optimizer.zero_grad(set_to_none=True)
         output.backward(gradient)
+
+    def _reference_loss(self, rows: Tensor, labels: Tensor) -> float:
+        """Return the mean loss of the step's stages, as they are, on held-out ``rows``.
+
+        Called by the guard within a step (the trunk held), in the step's mode; the
+        batch-norm statistics the forward moves are put back.
+        """
+        saved = self._save_buffers()
+        try:
+            with torch.no_grad():
+                logits = self.run(rows, self._step_cut)  # type: ignore[arg-type]
+                return float(nn.functional.cross_entropy(logits, labels))
+        finally:
+            self._restore_buffers(saved)
 
     @contextmanager
     def forward_only(self, *, train: bool) -> Iterator[None]:

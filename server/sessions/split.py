@@ -184,7 +184,7 @@ def train_on_batch(trunk: Trunk, cut: int, activations: Tensor, labels: Tensor) 
     with trunk.step(samples=len(labels), from_stage=cut) as backward:
         logits = trunk.run(acts, cut)
         losses = nn.functional.cross_entropy(logits, labels, reduction="none")
-        backward(losses.mean())
+        backward(losses.mean(), labels=labels)
         assert acts.grad is not None
         if not math.isfinite(magnitude(acts.grad)):
             raise FrameError(Reason.STEP_NOT_FINITE, "the gradient at the cut is not finite")

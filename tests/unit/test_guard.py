@@ -15,6 +15,7 @@ import threading
 
 import pytest
 import torch
+from torch import nn
 
 from protocols.splitfed import SplitFedV2Options
 from protocols.ushaped import UShapedOptions
@@ -89,7 +90,9 @@ def test_seeded_statistics_bound_the_first_frame_of_a_round():
     model = digits_like_model("cnn")
     x, y = fixed_batches(1, batch=64)[0]
     rows = reference_rows(model, x, y, cuts=[1, 2], tail_cut=None, batch_size=32)
-    assert set(rows) == {("activations", 1), ("activations", 2), ("loss", 1), ("loss", 2)}
+    assert set(rows) == {("activations", 1), ("activations", 2), ("loss", 1), ("loss", 2),
+                         ("labels", 0)}
+    assert torch.equal(rows["labels", 0], y)
     assert rows["loss", 1].shape == (2,)  # a mean loss per batch of 32
     guard = TrunkGuard(GuardConfig())
     assert guard.bound("activations", 1) is None
@@ -285,6 +288,66 @@ def test_without_the_loss_check_flipped_labels_wreck_the_trunk():
     _, before, after, _, refusals = label_flipping_attack(GuardConfig(loss_factor=0))
     assert refusals == []
     assert after < before - 0.3, (before, after)
+
+
+def skewed_trunk(label_factor: float):
+    """A trunk that learned digits 0-4 only, its guard seeded with held-out rows of all ten."""
+    from server.sessions.split import admit, train_on_batch
+
+    torch.manual_seed(0)
+    dataplane = DataPlaneConfig(max_frame_bytes=1 << 22,
+                                guard=GuardConfig(label_factor=label_factor))
+    side = build_trunk_side(digits_like_model("cnn"), SplitFedV2Options(lr=0.05, momentum=0.9),
+                            dataplane)
+    bottom = split(digits_like_model("cnn"), CUT)[0].requires_grad_(False)
+    train, test = digits_batches()
+    for _ in range(3):
+        for x, y in train:
+            acts, labels = bottom(x[y < 5]), y[y < 5]
+            admit(side.trunk, "others", 1, "activations", CUT, acts)
+            train_on_batch(side.trunk, CUT, acts, labels)
+    # What the ServerApp seeds each round (its loss statistics aside: those are tested above).
+    rows = reference_rows(side.trunk.snapshot(), *test, cuts=[CUT], tail_cut=None, batch_size=32)
+    side.trunk.guard.seed_all({k: v for k, v in rows.items() if k[0] != "loss"})
+    return side, bottom, train
+
+
+def frames_refused(side, bottom, batches, *, flip: bool) -> list[str]:
+    token = side.tokens.issue(client="device", protocol="splitfed_v2", cut=CUT, server_round=1,
+                              ttl_s=60)
+    channel = TrunkChannel(InProcessTransport(side.endpoint, token))
+    refused = []
+    for x, y in batches:
+        try:
+            channel.forward(bottom(x), 9 - y if flip else y)
+        except TrunkRejected as err:
+            refused.append(err.reason)
+    return refused
+
+
+def high_digits(train, count: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x[y >= 5], y[y >= 5]) for x, y in train[:count]]
+
+
+def test_an_honest_device_of_classes_the_trunk_forgot_is_taken_and_a_liar_is_not():
+    side, bottom, train = skewed_trunk(label_factor=3.0)
+    batches = high_digits(train)
+    x, y = batches[0]
+    with torch.no_grad():  # the honest batch is far beyond the recent batches' bound ...
+        loss = float(nn.functional.cross_entropy(side.trunk.run(bottom(x), CUT), y))
+    assert loss > side.trunk.guard.config.loss_factor * 0.2 and loss > math.log(10)
+    assert frames_refused(side, bottom, batches, flip=False) == []  # ... and taken
+    side, bottom, train = skewed_trunk(label_factor=3.0)
+    # Flipped, the same rows claim digits 0-4, whose true rows the trunk knows well.
+    assert frames_refused(side, bottom, high_digits(train), flip=True) == [
+        "OUT_OF_RANGE", "OUT_OF_RANGE", "QUARANTINED", "QUARANTINED", "QUARANTINED",
+        "QUARANTINED"]
+
+
+def test_without_the_same_label_reference_the_honest_skewed_device_was_refused():
+    side, bottom, train = skewed_trunk(label_factor=0.0)
+    refused = frames_refused(side, bottom, high_digits(train), flip=False)
+    assert refused[:2] == ["OUT_OF_RANGE", "OUT_OF_RANGE"] and set(refused[2:]) == {"QUARANTINED"}
 
 
 def test_the_loss_check_charges_the_sender_of_the_rows_the_step_trains_on():
