@@ -102,6 +102,14 @@
     every model and cut it trains (``--models cnn lenet5 resnet``); see
     :mod:`benchmarks.web_step`.
 
+``gpu``
+    The prepared accelerator check, one command of about 7 minutes on one GPU: the CUDA
+    tests, the default job with the trunk on the device, ResNet-18 SplitFed v2 at 16 and 64
+    devices against central training on the device (``--floor``: the accuracy below which
+    a run is reported as not learning), and the trunk alone serving 1 to 1,024 synthetic
+    devices (``--cut``, ``--client-processes``); ``--device cpu --quick`` rehearses it;
+    see :mod:`benchmarks.gpu`.
+
 Extra arguments are Hydra overrides, e.g. ``strategy.num_rounds=5``.
 """
 
@@ -470,6 +478,16 @@ def bench_gateway_suite(overrides: Sequence[str], *, phones: Sequence[int],
     bench_gateway(phones, training=training, idle_s=20.0)
 
 
+def bench_gpu_suite(overrides: Sequence[str], *, device: str, quick: bool,
+                    parts: Sequence[str] | None, floor: float, cut: int,
+                    client_processes: int | None) -> None:
+    """Run the prepared accelerator check (:mod:`benchmarks.gpu`)."""
+    from benchmarks.gpu import PARTS, bench_gpu
+
+    bench_gpu(overrides, device=device, quick=quick, parts=parts or PARTS, floor=floor,
+              cut=cut, client_processes=client_processes)
+
+
 def bench_web_step_suite(overrides: Sequence[str], *, models: Sequence[str] | None) -> None:
     """Time the web runtime's step against eager PyTorch (:mod:`benchmarks.web_step`)."""
     from benchmarks.web_step import MODELS, bench_web_step
@@ -488,7 +506,8 @@ BENCHMARKS = {"overhead": bench_overhead_suite, "rounds": bench_rounds_suite,
               "executorch-rounds": bench_executorch_rounds_suite, "netns": bench_netns_suite,
               "trunk": bench_trunk_suite, "handoff": bench_handoff_suite,
               "allocator": bench_allocator_suite, "parser": bench_parser_suite,
-              "gateway": bench_gateway_suite, "web-step": bench_web_step_suite}
+              "gateway": bench_gateway_suite, "web-step": bench_web_step_suite,
+              "gpu": bench_gpu_suite}
 
 
 def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -526,6 +545,16 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", help="trunk, web-step: only these networks")
     parser.add_argument("--no-relay", action="store_true",
                         help="netns: no latency relay (the veth's own RTT)")
+    parser.add_argument("--device", default="cuda",
+                        help="gpu: the device (a server.device value; cpu to rehearse)")
+    parser.add_argument("--quick", action="store_true", help="gpu: small sizes (a rehearsal)")
+    parser.add_argument("--parts", nargs="+", choices=("tests", "default", "resnet18", "serve"),
+                        help="gpu: only these parts")
+    parser.add_argument("--floor", type=float, default=0.5,
+                        help="gpu: test accuracy below which a run is not learning")
+    parser.add_argument("--cut", type=int, default=4, help="gpu: the serving trunk's cut")
+    parser.add_argument("--client-processes", type=int,
+                        help="gpu: processes the synthetic devices run in")
     args = parser.parse_intermixed_args(argv)
     accepted = {"planner": PLANNER_METHODS, "compression": compression_options()}
     if args.methods and args.name in accepted:
@@ -570,6 +599,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                             training=args.training)
     elif args.name == "netns":
         bench_netns_suite(args.overrides, relay=not args.no_relay)
+    elif args.name == "gpu":
+        bench_gpu_suite(args.overrides, device=args.device, quick=args.quick, parts=args.parts,
+                        floor=args.floor, cut=args.cut, client_processes=args.client_processes)
     else:
         BENCHMARKS[args.name](args.overrides)
 
