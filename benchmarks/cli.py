@@ -134,11 +134,11 @@ PLANNER_METHODS = ("greedy", "dynsl", "smartsplit", "smartsplit-random")
 
 
 def bench_overhead_suite(overrides: Sequence[str], *, clients: Sequence[int],
-                         workers: Sequence[int]) -> None:
+                         workers: Sequence[int], floor: float = 0.5) -> None:
     """SplitFed through the real stack vs central training (:mod:`benchmarks.overhead`)."""
     from benchmarks.overhead import bench_overhead
 
-    bench_overhead(overrides, clients=clients, workers=workers)
+    bench_overhead(overrides, clients=clients, workers=workers, floor=floor)
 
 
 def bench_scale_suite(overrides: Sequence[str], *, clients: Sequence[int]) -> None:
@@ -551,7 +551,8 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", choices=("tests", "default", "resnet18", "serve"),
                         help="gpu: only these parts")
     parser.add_argument("--floor", type=float, default=0.5,
-                        help="gpu: test accuracy below which a run is not learning")
+                        help="gpu, overhead: test accuracy below which a run is not "
+                        "learning (it gets no throughput figure)")
     parser.add_argument("--cut", type=int, default=4, help="gpu: the serving trunk's cut")
     parser.add_argument("--client-processes", type=int,
                         help="gpu: processes the synthetic devices run in")
@@ -583,7 +584,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         bench_compression_suite(args.overrides, seeds=args.seeds, methods=args.methods)
     elif args.name == "overhead":
         bench_overhead_suite(args.overrides, clients=args.clients or [1, 4, 16],
-                             workers=args.workers)
+                             workers=args.workers, floor=args.floor)
     elif args.name == "scale":
         bench_scale_suite(args.overrides, clients=args.clients or [10, 100, 1000, 10000])
     elif args.name == "rounds":

@@ -8,6 +8,7 @@ for 3x224x224 inputs and 1000 classes).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from torch import Tensor, nn
@@ -100,6 +101,13 @@ class ResNet(SplittableModel):
         (``conv7x7/2-bn-relu-maxpool3x3/2``, as in He et al.) or ``"auto"``
         (``"imagenet"`` for inputs of at least 64x64, else ``conv3x3``
         with stride 1).
+    norm : str, optional
+        ``"batch"`` (default) or ``"group"``: GroupNorm with :data:`NORM_GROUPS` groups
+        in place of every batch norm. Batch norm's running statistics, averaged over
+        many devices that each train a few batches a round, stay near their initial
+        values for rounds (16 devices of 90 digits: 95% training accuracy, 13% at test
+        after 3 rounds, 0.16 running variance against 0.03 measured at the stem);
+        GroupNorm keeps none, so a model evaluates as it trains (Hsieh et al., 2020).
     """
 
     # Its trunk steps 1.19x faster so at cut 1, ResNet-18's 1.04x at cut 2
@@ -115,8 +123,11 @@ class ResNet(SplittableModel):
         widths: Sequence[int] = (16, 32, 64),
         blocks_per_stage: int = 1,
         stem: str = "cifar",
+        norm: str = "batch",
     ) -> None:
         check_dims(in_channels, image_size, num_classes)
+        if norm not in ("batch", "group"):
+            raise ValueError(f"unknown norm {norm!r}; accepted: 'batch', 'group'")
         if stem not in _STEMS:
             raise ValueError(f"unknown stem {stem!r}; accepted stems are {list(_STEMS)}")
         if not widths:
@@ -138,6 +149,8 @@ class ResNet(SplittableModel):
             input_shape=(in_channels, image_size, image_size),
             num_classes=num_classes,
         )
+        if norm == "group":
+            _group_norms(self)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -147,7 +160,7 @@ class ResNet(SplittableModel):
                 nn.init.kaiming_normal_(
                     module.weight, mode="fan_out", nonlinearity="relu"
                 )
-            elif isinstance(module, nn.BatchNorm2d):
+            elif isinstance(module, (nn.BatchNorm2d, nn.GroupNorm)):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
 
@@ -172,6 +185,8 @@ class ResNet18(ResNet):
         (so 224x224 gives the published network, 1.82 GMACs), a 3x3 stride-1
         conv below (the CIFAR adaptation; 4x downsampling would leave 2x2
         maps at 32x32 before ``layer2``).
+    norm : str, optional
+        As for :class:`ResNet`.
     """
 
     def __init__(
@@ -181,11 +196,13 @@ class ResNet18(ResNet):
         image_size: int,
         num_classes: int,
         stem: str = "auto",
+        norm: str = "batch",
     ) -> None:
         super().__init__(
             in_channels=in_channels,
             image_size=image_size,
             num_classes=num_classes,
+            norm=norm,
             widths=(64, 128, 256, 512),
             blocks_per_stage=2,
             stem=stem,
@@ -218,3 +235,17 @@ def _group(in_channels: int, width: int, blocks: int, stride: int) -> nn.Sequent
     layers = [BasicBlock(in_channels, width, stride)]
     layers += [BasicBlock(width, width) for _ in range(blocks - 1)]
     return nn.Sequential(*layers)
+
+
+#: GroupNorm's groups with ``norm="group"`` (fewer where a layer has fewer channels).
+NORM_GROUPS = 8
+
+
+def _group_norms(module: nn.Module) -> None:
+    """Replace every ``BatchNorm2d`` below ``module`` by a GroupNorm of as many channels."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.BatchNorm2d):
+            channels = child.num_features
+            setattr(module, name, nn.GroupNorm(math.gcd(NORM_GROUPS, channels), channels))
+        else:
+            _group_norms(child)

@@ -189,3 +189,22 @@ def test_total_cost() -> None:
     assert client.activation_bytes_per_sample == costs[1].activation_bytes_per_sample
     with pytest.raises(ValueError):
         total_cost([])
+
+
+@pytest.mark.parametrize("name", ["resnet", "resnet18"])
+def test_group_norm_replaces_every_batch_norm_and_evaluates_as_it_trains(name: str) -> None:
+    batch = build_model(name, in_channels=1, image_size=16, num_classes=10, seed=0)
+    group = build_model(name, in_channels=1, image_size=16, num_classes=10, seed=0,
+                        norm="group")
+    norms = [m for m in group.modules() if isinstance(m, nn.GroupNorm)]
+    assert len(norms) == sum(isinstance(m, nn.BatchNorm2d) for m in batch.modules()) > 0
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in group.modules())
+    assert all(m.num_channels % m.num_groups == 0 for m in norms)
+    assert group.valid_cuts == batch.valid_cuts
+    assert [group.cut_shape(c) for c in group.valid_cuts] == [
+        batch.cut_shape(c) for c in batch.valid_cuts]
+    x = torch.rand(4, 1, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(group.train()(x), group.eval()(x))  # no running statistics
+    with pytest.raises(ValueError, match="unknown norm 'layer'"):
+        build_model(name, in_channels=1, image_size=16, num_classes=10, norm="layer")
