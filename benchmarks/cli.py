@@ -386,11 +386,12 @@ def bench_planner_suite(overrides: Sequence[str], *, seeds: int, target: float,
                   first_seed=first_seed, oracle_clients=oracle_clients)
 
 
-def bench_rounds_suite(overrides: Sequence[str], *, repeats: int = 3) -> None:
+def bench_rounds_suite(overrides: Sequence[str], *, repeats: int = 3,
+                       floor: float = 0.5) -> None:
     """Time the default job's rounds and their budget (:mod:`benchmarks.rounds`)."""
     from benchmarks.rounds import bench_rounds
 
-    bench_rounds(overrides, repeats=repeats)
+    bench_rounds(overrides, repeats=repeats, floor=floor)
 
 
 def bench_compression_suite(overrides: Sequence[str], *, seeds: int = 3,
@@ -551,7 +552,7 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", choices=("tests", "default", "resnet18", "serve"),
                         help="gpu: only these parts")
     parser.add_argument("--floor", type=float, default=0.5,
-                        help="gpu, overhead: test accuracy below which a run is not "
+                        help="gpu, overhead, rounds: test accuracy below which a run is not "
                         "learning (it gets no throughput figure)")
     parser.add_argument("--cut", type=int, default=4, help="gpu: the serving trunk's cut")
     parser.add_argument("--client-processes", type=int,
@@ -588,7 +589,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.name == "scale":
         bench_scale_suite(args.overrides, clients=args.clients or [10, 100, 1000, 10000])
     elif args.name == "rounds":
-        bench_rounds_suite(args.overrides, repeats=args.repeats)
+        bench_rounds_suite(args.overrides, repeats=args.repeats, floor=args.floor)
     elif args.name == "defences":
         bench_defences_suite(args.overrides, repeats=args.repeats)
     elif args.name == "trunk":

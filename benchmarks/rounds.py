@@ -149,19 +149,33 @@ def steady_median(history: Sequence[dict], first_round: int = 2) -> float:
     return statistics.median(s for r, s in round_walls(history).items() if r >= first_round)
 
 
+def not_learning(accuracies: Sequence[float], floor: float) -> str | None:
+    """Say why runs ending at test ``accuracies`` are not a figure (None: they are)."""
+    worst = min(accuracies, default=float("nan"))
+    if worst >= floor:
+        return None
+    return f"final test accuracy {worst:.4f} is below the floor {floor}"
+
+
 def bench_rounds(overrides: Sequence[str], *, repeats: int = 3,
-                 out_dir: Path | None = None) -> dict:
-    """Print the budget of the default job (with ``overrides``); return the summary."""
+                 out_dir: Path | None = None, floor: float = 0.5) -> dict:
+    """Print the budget of the default job (with ``overrides``); return the summary.
+
+    A job whose final test accuracy is below ``floor`` in any run gets no seconds per
+    round (``None``, and ``not_learning`` says why): rounds of training that does not
+    learn are not a figure.
+    """
     parallel = clients_in_parallel(overrides)
     untracked = [*overrides, "logger=none", "checkpoint=false"]
     out_dir = out_dir or Path("outputs/bench") / time.strftime("rounds-%Y-%m-%d-%H-%M-%S")
     out_dir.mkdir(parents=True, exist_ok=True)
-    budgets, medians, bare, whole = [], [], [], []
+    budgets, medians, bare, whole, accuracies = [], [], [], [], []
     for i in range(repeats):
         history, clients, seconds = run_job(overrides)
         budgets.append(round_budget(history, clients, parallel=parallel))
         medians.append(steady_median(history))
         whole.append(seconds)
+        accuracies.append(history[-1]["test_accuracy"])
         bare_history, _, _ = run_job(untracked)
         bare.append(steady_median(bare_history))
         print(f"run {i + 1}/{repeats}: {medians[-1]:.3f} s per round (median of rounds 2+), "
@@ -177,7 +191,13 @@ def bench_rounds(overrides: Sequence[str], *, repeats: int = 3,
     summary = {"seconds_per_round": statistics.median(medians),
                "seconds_per_round_untracked": statistics.median(bare),
                "whole_command_s": statistics.median(whole), "parallel": parallel,
-               "budget": budget, "runs": medians}
+               "budget": budget, "runs": medians, "final_accuracy": accuracies,
+               "floor": floor}
+    why = not_learning(accuracies, floor)
+    if why is not None:
+        summary |= {"seconds_per_round": None, "seconds_per_round_untracked": None,
+                    "not_learning": why}
+        print(f"not reported: {why}", flush=True)
     (out_dir / "rounds.json").write_text(json.dumps(summary, indent=2))
     plot_budget(budget, out_dir / "rounds.png")
     print(f"results in {out_dir}")

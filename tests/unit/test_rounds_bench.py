@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.cli import parse_arguments
-from benchmarks.rounds import PARTS, round_budget, round_walls, steady_median
+from benchmarks.rounds import PARTS, not_learning, round_budget, round_walls, steady_median
 
 
 def history() -> list[dict]:
@@ -78,3 +78,9 @@ def test_the_defences_summary_pairs_each_job_on_against_off() -> None:
     assert summary["default"]["cost"]["accuracy_points"] == pytest.approx(1.0)
     assert summary["default"]["cost"]["round_time_ratio"] == pytest.approx(1.3 / 1.05)
     assert summary["heterogeneous"]["cost"] == {"accuracy_points": 0.0, "round_time_ratio": 1.0}
+
+
+def test_rounds_of_a_job_that_did_not_learn_are_not_a_figure():
+    assert not_learning([0.97, 0.98], 0.5) is None
+    assert not_learning([0.97, 0.12], 0.5) == "final test accuracy 0.1200 is below the floor 0.5"
+    assert not_learning([], 0.5) is not None  # no run, no figure
