@@ -218,6 +218,15 @@ def scheduler_class(target: str) -> type:
     return found
 
 
+def _check_light(kwargs: dict[str, Any], key: str) -> None:
+    """Refuse plain SGD's values as ``torch.optim.SGD`` would (its first build costs seconds)."""
+    for name in ("lr", "momentum", "weight_decay"):
+        value = kwargs[name]
+        if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{key}: torch.optim.SGD refuses {name}={value!r} (a finite "
+                             "number >= 0)")
+
+
 def check_optimizers(strategy: StrategyConfig, *, light_only_devices: str | None = None) -> None:
     """Refuse, naming the key, an optimiser or schedule that could only fail once training.
 
@@ -251,10 +260,13 @@ def check_optimizers(strategy: StrategyConfig, *, light_only_devices: str | None
         if config.lr is not None and not config.lr > 0:
             raise ValueError(f"{key}.lr must be > 0, got {config.lr}")
         found = optimizer_class(config._target_, key)
+        kwargs = optimizer_kwargs(config, lr=base_lr(strategy, side),
+                                  momentum=strategy.momentum, weight_decay=strategy.weight_decay)
+        if is_light(config):  # checked as torch's SGD checks them, without building one
+            _check_light(kwargs, key)
+            continue
         try:
-            found([nn.Parameter(torch.zeros(2))], **optimizer_kwargs(
-                config, lr=base_lr(strategy, side), momentum=strategy.momentum,
-                weight_decay=strategy.weight_decay))
+            found([nn.Parameter(torch.zeros(2))], **kwargs)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{key}: {config._target_} refuses its options: {err}") from err
     if light_only_devices and not is_light(strategy.optimizer):

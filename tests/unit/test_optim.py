@@ -18,6 +18,7 @@ from splitlearn.optim import (
     scale_lr,
     set_lr,
 )
+from tests.helpers import imports_in_a_fresh_process
 
 
 def composed(*overrides: str):
@@ -130,3 +131,28 @@ def test_a_run_without_a_trunk_optimiser_gives_the_trunk_the_devices_one():
     params = [nn.Parameter(torch.zeros(2))]
     assert type(build_optimizer(params, strategy, "trunk")) is torch.optim.AdamW
     check_optimizers(strategy)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["strategy.momentum=-0.5"], "torch.optim.SGD refuses momentum=-0.5"),
+    (["strategy.weight_decay=-1"], "torch.optim.SGD refuses weight_decay=-1"),
+    (["strategy.lr=-0.1"], "torch.optim.SGD refuses lr=-0.1"),
+])
+def test_plain_sgd_is_checked_as_torch_checks_it_without_building_torchs(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_config(composed(*overrides))
+    # The values torch's own SGD refuses, for the same reason.
+    strategy = composed(*overrides).strategy
+    with pytest.raises(ValueError):
+        torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=strategy.lr,
+                        momentum=strategy.momentum, weight_decay=strategy.weight_decay)
+
+
+def test_preflight_of_the_default_job_builds_no_torch_optimiser():
+    # The first torch optimiser a process builds imports its compiler (seconds).
+    code = ("from protocols import check_config, compose_config\n"
+            "check_config(compose_config(['logger=none']))")
+    assert not imports_in_a_fresh_process(code, "torch._dynamo")
+    with_adam = code.replace("'logger=none'", "'logger=none', "
+                             "'strategy.optimizer._target_=torch.optim.Adam'")
+    assert imports_in_a_fresh_process(with_adam, "torch._dynamo")  # what the test would see
