@@ -111,6 +111,7 @@ class Trunk:
         # which the guard's loss check charges to their sender.
         self._step_cut: int | None = None
         self._step_rows: Tensor | None = None
+        self._step_forwards = 0  # forwards in the step: more than one is several frames
 
     @property
     def num_classes(self) -> int:
@@ -123,8 +124,10 @@ class Trunk:
 
     def run(self, x: Tensor, start: int, end: int | None = None) -> Tensor:
         """Run stages ``[start, end)`` (to the output when ``end`` is None)."""
-        if self._step_cut is not None and self._step_rows is None:
-            self._step_rows = x  # the batch as the session admitted it (a view of its frame)
+        if self._step_cut is not None:
+            self._step_forwards += 1
+            if self._step_rows is None:
+                self._step_rows = x  # the batch as the session admitted it (a view of its frame)
         if not self._on_host:  # differentiable: the gradient at the cut comes back to the host
             x = x.to(self.device, non_blocking=True)
         if self.channels_last and x.dim() == 4:
@@ -178,7 +181,7 @@ class Trunk:
         """
         with self._held(train=True):
             saved = self._save_buffers()
-            self._step_cut, self._step_rows = from_stage, None
+            self._step_cut, self._step_rows, self._step_forwards = from_stage, None, 0
             try:
                 yield self._backward
                 self._check_and_clip_gradients()
@@ -198,8 +201,11 @@ class Trunk:
                   labels: Tensor | None = None) -> None:
         if gradient is None and self.guard is not None and self._step_cut is not None:
             # ``output`` is the batch's mean loss: refused before any gradient is computed.
+            # A step over several frames' forwards (SGLR's group) is no one device's batch:
+            # its loss is not charged to the first one's sender.
+            rows = self._step_rows if self._step_forwards == 1 else None
             self.guard.check_loss(float(output.detach()), self._step_cut, classes=self.num_classes,
-                                  rows=self._step_rows, labels=labels,
+                                  rows=rows, labels=labels,
                                   reference=self._reference_loss)
         # Zeroed right before the backward: the gradients then reuse the memory the
         # last step's just freed (zeroing before the forward cost ~8% per step).

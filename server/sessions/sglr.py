@@ -57,7 +57,10 @@ class SGLRSession(BatchingSplitSession):
             logits = [trunk.run(leaf, cut) for leaf in leaves]
             losses = [nn.functional.cross_entropy(out, s.labels, reduction="none")
                       for out, s in zip(logits, group, strict=True)]
-            backward(scale * sum(loss.mean() for loss in losses))
+            # One device's batch alone is checked as such (its labels beside it); a group's
+            # summed loss is no device's and is not checked (Trunk.step).
+            backward(scale * sum(loss.mean() for loss in losses),
+                     labels=group[0].labels if len(group) == 1 else None)
             own = [leaf.grad / scale for leaf in leaves]  # d(client's mean loss)/d(its rows)
             if not all(math.isfinite(magnitude(g)) for g in own):
                 raise FrameError(Reason.STEP_NOT_FINITE, "the gradient at the cut is not finite")

@@ -350,6 +350,33 @@ def test_without_the_same_label_reference_the_honest_skewed_device_was_refused()
     assert refused[:2] == ["OUT_OF_RANGE", "OUT_OF_RANGE"] and set(refused[2:]) == {"QUARANTINED"}
 
 
+def test_a_step_over_several_frames_is_not_charged_to_the_first_ones_sender():
+    # SGLR steps once over a group's frames, each run through the trunk on its own: the
+    # step's loss (their scaled sum) is no device's, though the first run is a view of
+    # one device's admitted frame.
+    from server.sessions.split import admit
+
+    trunk = build_trunk_side(digits_like_model("cnn"), SplitFedV2Options(lr=0.0),
+                             DataPlaneConfig(guard=GuardConfig(min_steps=4))).trunk
+    bottom = split(digits_like_model("cnn"), CUT)[0]
+    x, y = fixed_batches(1, batch=16)[0]
+    frames = {name: bottom(x).detach() for name in ("alice", "bob")}
+    for name, rows in frames.items():
+        admit(trunk, name, 1, "activations", CUT, rows)
+
+    def step(runs: list[torch.Tensor], loss: float) -> None:
+        with trunk.step(samples=16 * len(runs), from_stage=CUT) as backward:
+            outputs = [trunk.run(rows, CUT) for rows in runs]
+            backward(sum(o.sum() * 0 for o in outputs) + loss)
+
+    for _ in range(4):
+        step([frames["alice"]], 0.5)  # one device's batches set the statistics
+    step([frames["alice"], frames["bob"]], 50.0)  # a group's: not checked
+    with pytest.raises(Exception, match="loss 50 at cut 1 is beyond"):
+        step([frames["alice"]], 50.0)  # alice's own: checked
+    assert trunk.guard.take_books()["guard_loss_refused"] == 1
+
+
 def test_the_loss_check_charges_the_sender_of_the_rows_the_step_trains_on():
     guard = TrunkGuard(GuardConfig(min_rows=4, min_steps=4))
     rows = honest_rows(8)
