@@ -86,7 +86,8 @@ def bench_overhead(overrides: Sequence[str], *, clients: Sequence[int] = CLIENTS
     out_dir = out_dir or Path("outputs/bench") / time.strftime("overhead-%Y-%m-%d-%H-%M-%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = compose_config([*DEFAULTS, *overrides])
-    epochs = cfg.strategy.num_rounds
+    # As many passes over the data as a split run's rounds make, so both have learned alike.
+    epochs = cfg.strategy.num_rounds * cfg.strategy.local_epochs
     before = train_central(cfg, epochs=epochs)
     print(f"central ({before.processes} processes): {before.samples_per_s:.1f} samples/s, "
           f"test accuracy {before.test_accuracy:.4f}", flush=True)
