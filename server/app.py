@@ -189,11 +189,11 @@ def start_runtime(cfg: DictConfig) -> SplitRuntime:
         spec = run_spec(cfg, host_flops_per_s=resumed.measured["host_flops_per_s"])
         spec.devices.host_flops_by_cut = dict(resumed.measured["host_flops_by_cut"])
     else:
-        # The devices' work is emulated on this host's CPU: measured on a host copy.
-        spec = run_spec(cfg, host_flops_per_s=host_flops_for(cfg, trunk.snapshot()) if fleet
-                        else 0.0)
+        # The devices' work is emulated on this host's CPU: measured on the model there.
+        host = trunk.host_model()
+        spec = run_spec(cfg, host_flops_per_s=host_flops_for(cfg, host) if fleet else 0.0)
         if fleet and cfg.planner.name != "uniform":
-            spec.devices.host_flops_by_cut = host_flops_by_cut(cfg, trunk.snapshot())
+            spec.devices.host_flops_by_cut = host_flops_by_cut(cfg, host)
     config = to_container(cfg)
     config["devices"]["host_flops_per_s"] = spec.devices.host_flops_per_s  # as measured
     config["devices"]["host_flops_by_cut"] = dict(spec.devices.host_flops_by_cut)
@@ -234,7 +234,7 @@ def make_planning(cfg: DictConfig, trunk: Trunk, *, resuming: bool = False
                                 error_feedback=encoding.error_feedback, feature_entries=features)
 
     costs = [as_the_run_sends(c)
-             for c in cut_costs(trunk.snapshot(), batch_size=cfg.strategy.batch_size, leak=leak,
+             for c in cut_costs(trunk.host_model(), batch_size=cfg.strategy.batch_size, leak=leak,
                                 tail_cut=tail_cut, frees_output=step.frees_sent_output)
              if c.cut in allowed]
     shared = protocol_named(cfg.strategy.name).capabilities.trunk == "shared"
@@ -347,7 +347,7 @@ def initial_arrays(runtime: SplitRuntime) -> ArrayRecord:
     """Return what the clients hold at round 1 (the protocol's client step says which stages)."""
     planning = runtime.planning
     cuts = sorted(planning.costs) if planning is not None else [runtime.spec.model.cut]
-    state = runtime.protocol.client.initial_state(runtime.trunk.snapshot(), runtime.spec,
+    state = runtime.protocol.client.initial_state(runtime.trunk.host_model(), runtime.spec,
                                                   cuts=cuts)
     return state_to_record(state)
 

@@ -344,6 +344,13 @@ class Trunk:
         forked.set_lr_factor(self.lr_factor)
         return forked
 
+    def host_model(self) -> SplittableModel:
+        """Return the model on the host to read (calibration, shapes): itself on the CPU.
+
+        Not a copy there, so not to be trained or changed; a snapshot on an accelerator.
+        """
+        return self.model if self._on_host else self.snapshot()
+
     def snapshot(self) -> SplittableModel:
         """Return an independent copy of the whole server model, on the host."""
         with self._lock:

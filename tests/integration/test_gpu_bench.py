@@ -10,4 +10,3 @@ def test_the_trunk_serves_synthetic_devices_and_times_every_batch():
                      seconds=1.0, warmup_s=0.5, batch=8)
     assert row["errors"] == 0 and row["batches"] >= 2
     assert 0 < row["p50_ms"] <= row["p95_ms"]
-    assert row["samples_per_s"] == row["batches"] * 8 / 1.0

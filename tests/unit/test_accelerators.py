@@ -107,7 +107,8 @@ def test_states_a_trunk_hands_out_are_on_the_host():
         backward(nn.functional.cross_entropy(trunk.run(bottom(x).detach(), 1), y))
     saved = trunk.state_dict()
     tensors = [*trunk.stage_state().values(), *trunk.optimizer_state().values(),
-               *saved["model"].values(), *trunk.snapshot().parameters()]
+               *saved["model"].values(), *trunk.snapshot().parameters(),
+               *trunk.host_model().parameters()]
     assert tensors and all(t.device.type == "cpu" for t in tensors)
 
 
