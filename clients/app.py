@@ -608,7 +608,8 @@ def train(rnd: ClientRound, msg: Message, context: Context, open_channel: Channe
             try:
                 report = train_round(step, channel, privacy, epochs=spec.strategy.local_epochs,
                                      on_step=_dropout_hook(plan, channel), pacer=pacer,
-                                     max_steps=rnd.max_steps, deadline=deadline)
+                                     max_steps=rnd.max_steps, deadline=deadline,
+                                     count_flops=_counts_flops(rnd, plan))
             finally:
                 if channel is not None:
                     _keep_feedback(context, channel, cut=rnd.cut)
@@ -702,6 +703,16 @@ class Traffic:
     up: int
 
 
+def _counts_flops(rnd: ClientRound, plan: DevicePlan) -> bool:
+    """Whether the clock charges this round's compute by its FLOPs (``devices.compute_time``).
+
+    Only where torch runs the step: ExecuTorch's runtime executes outside torch's
+    dispatch, so a count there would miss most of the work (its host seconds count).
+    """
+    return plan.emulated and plan.profile is not None and (
+        rnd.spec.devices.compute_time == "flops" and rnd.spec.devices.runtime == "eager")
+
+
 def _pacer(rnd: ClientRound, plan: DevicePlan) -> Pacer | None:
     """Return the pacer that makes this round take the device's time (``devices.emulate``)."""
     if not rnd.spec.devices.emulate or plan.profile is None or not plan.emulated:
@@ -772,6 +783,8 @@ def _train_metrics(rnd: ClientRound, plan: DevicePlan, report: TrainReport, memo
         "compute-s": report.compute_s, "train-s": report.wall_s,
         "bytes-up": work.bytes_up, "bytes-down": work.bytes_down,
         "weights-bytes-up": weights.up, "weights-bytes-down": weights.down,
+        # What the clock charged its compute by (0: its seconds, devices.compute_time).
+        "flops": report.flops or 0.0,
     })
 
 

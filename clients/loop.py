@@ -12,11 +12,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.flop_counter import FlopCounterMode
 
 from clients.device import DeviceDeadline, Pacer
 from clients.steps.base import ClientStep
@@ -50,6 +52,8 @@ class TrainReport:
         Round trips with the server (each pays the link's latency).
     wait_s : float
         Seconds spent waiting for the trunk's replies (the trunk's time, not the device's).
+    flops : float | None
+        FLOPs of the device's own compute, where they were counted (None: not counted).
     """
 
     examples: int
@@ -62,11 +66,13 @@ class TrainReport:
     bytes_down: int
     exchanges: int
     wait_s: float = 0.0
+    flops: float | None = None
 
     @property
     def measurement(self) -> ClientMeasurement:
         """What the virtual clock needs."""
-        return ClientMeasurement(self.compute_s, self.bytes_up, self.bytes_down, self.exchanges)
+        return ClientMeasurement(self.compute_s, self.bytes_up, self.bytes_down, self.exchanges,
+                                 flops=self.flops)
 
 
 @dataclass
@@ -79,6 +85,7 @@ class RoundTally:
     correct: int = 0
     loss_sum: float = 0.0
     compute_s: float = 0.0
+    flops: float = 0.0
     started: float = field(default_factory=time.perf_counter)
 
     def add_batch(self, *, size: int, correct: int, loss: float, compute_s: float) -> int:
@@ -142,6 +149,7 @@ def train_round(
     pacer: Pacer | None = None,
     max_steps: int | None = None,
     deadline: DeviceDeadline | None = None,
+    count_flops: bool = False,
 ) -> TrainReport:
     """Train the step's modules for ``epochs`` passes; return the round's report.
 
@@ -164,6 +172,11 @@ def train_round(
     deadline : DeviceDeadline, optional
         Stop before a batch that would end after the round's deadline on the device's
         own clock (partial work, kept by the device).
+    count_flops : bool, optional
+        Count the FLOPs of the first batch's device-side compute (its training step,
+        whatever the protocol runs there) and charge every batch at that many per
+        example (:attr:`TrainReport.flops`): an emulated device's compute on the
+        virtual clock. A step torch does not run (another runtime) counts none.
     """
     train = step.spec.strategy
     optimizer = privacy.make_optimizer(
@@ -173,6 +186,7 @@ def train_round(
     step.release = privacy.release
     step.trained().train()
     traffic, tally = _Traffic(step, channel), RoundTally()
+    per_example: float | None = None  # counted FLOPs per example of a batch (count_flops)
     for inputs, labels, *ids in _capped(privacy, epochs=epochs, max_steps=max_steps):
         if deadline is not None and deadline.reached(tally.steps):
             break
@@ -187,12 +201,18 @@ def train_round(
         started, waited = time.perf_counter(), traffic.wait_s
         up, down = traffic.up, traffic.down
         step.batch_ids = ids[0] if ids else None  # the data's third tensor, when it has one
-        loss, correct = step.train_batch(inputs, labels, channel, optimizer)
+        counter = FlopCounterMode(display=False) if count_flops and per_example is None else None
+        with counter or nullcontext():
+            loss, correct = step.train_batch(inputs, labels, channel, optimizer)
+        if counter is not None:
+            per_example = counter.get_total_flops() / len(labels)
         wall = time.perf_counter() - started
         compute = wall - (traffic.wait_s - waited)
         steps = tally.add_batch(size=len(labels), correct=correct, loss=loss, compute_s=compute)
+        flops = per_example * len(labels) if per_example else None
+        tally.flops += flops or 0.0
         work = ClientMeasurement(compute, traffic.up - up, traffic.down - down,
-                                 step.exchanges_per_batch)
+                                 step.exchanges_per_batch, flops=flops)
         if pacer is not None:  # the trunk's time is the trunk's: pace the device's own part
             pacer.after_batch(work, wall_s=compute)
         if deadline is not None:
@@ -207,6 +227,7 @@ def train_round(
         wall_s=time.perf_counter() - tally.started, bytes_up=traffic.up, bytes_down=traffic.down,
         exchanges=(tally.steps - tally.empty) * step.exchanges_per_batch
         + step.extra_exchanges(), wait_s=traffic.wait_s,
+        flops=tally.flops if per_example else None,
     )
 
 

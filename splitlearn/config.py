@@ -665,6 +665,11 @@ class DevicesConfig:
     profiles: dict[str, DeviceProfileConfig] = field(default_factory=dict)
     traces: list[TraceEventConfig] = field(default_factory=list)  # changes over rounds
     emulate: bool = False  # really wait as long as the device would (wall-clock runs)
+    # What an emulated device's compute costs on the virtual clock: the FLOPs its training
+    # step executes (counted on its first batch of a round) over its FLOP/s (flops), or
+    # the seconds this host took, rescaled by host over device FLOP/s (measured: that
+    # carries the host's load and its per-batch overhead into the device's time).
+    compute_time: str = "flops"
     host_flops_per_s: float | None = None  # this host's training FLOP/s; None = measure
     # The same per cut (the host is faster on some stages than others); a planner's run
     # measures every cut unless host_flops_per_s is set. Empty: host_flops_per_s for all.
@@ -678,12 +683,19 @@ class DevicesConfig:
     web: bool = False
 
     def __post_init__(self) -> None:
+        if self.compute_time not in COMPUTE_TIMES:
+            raise ValueError(f"devices.compute_time={self.compute_time!r}; accepted: "
+                             f"{list(COMPUTE_TIMES)}")
         if self.runtime not in CLIENT_RUNTIMES:
             raise ValueError(f"devices.runtime={self.runtime!r}; accepted: {list(CLIENT_RUNTIMES)}")
 
     def host_flops_at(self, cut: int) -> float:
         """Return the host's training FLOP/s on the client side at ``cut`` (0: unknown)."""
         return self.host_flops_by_cut.get(cut) or self.host_flops_per_s or 0.0
+
+
+#: ``devices.compute_time`` values: how the virtual clock charges an emulated device's compute.
+COMPUTE_TIMES = ("flops", "measured")
 
 
 #: ``planner.name`` values (splitlearn.planning.planners implements each but ``uniform``).

@@ -67,7 +67,7 @@ STATUSES = ("ok", "straggler", "unavailable", "dropout", "memory", "refused", "b
 LOST_REASON = "no reply within strategy.round_timeout_s (the node vanished or stalled)"
 #: Metrics summed over clients (the rest are averaged, weighted by examples).
 SUMMED_METRICS = ("num-examples", "steps", "bytes-up", "bytes-down", "weights-bytes-up",
-                  "weights-bytes-down", "compute-s", "setup-s", "handler-s")
+                  "weights-bytes-down", "compute-s", "setup-s", "handler-s", "flops")
 #: Metrics whose round value is the worst client's (the slowest device sets the pace).
 MAX_METRICS = ("virtual-s", "epsilon", "epsilon-vs-server", "peak-memory-bytes")
 #: A declared name longer than this is cut (it is the device's text, not a checked preset).

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import grpc
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from splitlearn.config import CompressionConfig
 from splitlearn.dataplane import trunk_pb2 as pb
@@ -239,7 +240,11 @@ class InProcessTransport:
         """Let the endpoint answer the frame now."""
         if self._cancelled.is_set():
             raise TrunkRejected("CANCELLED: the trunk closed the session")
-        self._replies.put(self._endpoint.handle(self._session, data, peer=self._peer))
+        # The trunk's work runs on the device's thread here, and is the trunk's: a mode
+        # that watches the device's compute (its FLOP count) must not see it.
+        with _disable_current_modes():
+            reply = self._endpoint.handle(self._session, data, peer=self._peer)
+        self._replies.put(reply)
 
     def receive(self, timeout_s: float) -> bytes:
         """Return the next reply (already computed)."""

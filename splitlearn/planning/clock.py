@@ -1,9 +1,10 @@
 """The virtual clock: what a round would have cost on the emulated devices.
 
-Clients measure what they really did here (compute seconds, bytes, exchanges);
-the clock rescales compute by the device's speed relative to this host and adds
-the link: ``compute * host_flops / device_flops + up / uplink + down / downlink
-+ exchanges * rtt``. A round is those devices played out batch by batch at the
+Clients measure what they really did here (compute, bytes, exchanges); the clock
+charges the compute at the device's speed and adds the link: ``flops / device_flops +
+up / uplink + down / downlink + exchanges * rtt``, where ``flops`` are the FLOPs the
+device's step executed (counted) or, without a count, the seconds this host took times
+its FLOP/s. A round is those devices played out batch by batch at the
 trunk (:mod:`splitlearn.planning.queue`). Pure Python: real deployments feed the
 same functions with their own measurements.
 """
@@ -27,12 +28,17 @@ class ClientMeasurement:
         Data-plane bytes sent and received.
     exchanges : int
         Round trips with the trunk (one per batch for SplitFed).
+    flops : float | None
+        FLOPs the device's compute executed, where they were counted: the device's
+        compute is then those FLOPs at its own speed, whatever this host's load (None:
+        ``compute_s`` rescaled).
     """
 
     compute_s: float
     bytes_up: int
     bytes_down: int
     exchanges: int
+    flops: float | None = None
 
 
 @dataclass(frozen=True)
@@ -72,8 +78,9 @@ def client_time(
     """
     if host_flops_per_s <= 0:
         raise ValueError(f"host_flops_per_s must be > 0, got {host_flops_per_s}")
+    compute = (work.compute_s * host_flops_per_s if work.flops is None else work.flops)
     return ClientTime(
-        compute_s=work.compute_s * host_flops_per_s / device.flops_per_s,
+        compute_s=compute / device.flops_per_s,
         upload_s=work.bytes_up / device.uplink_bytes_per_s,
         download_s=work.bytes_down / device.downlink_bytes_per_s,
         latency_s=work.exchanges * device.rtt_s,

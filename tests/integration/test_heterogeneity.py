@@ -18,10 +18,12 @@ from tests.integration.test_simulation import read_clients, run_in_process
 def device_seconds(row: dict[str, str], profile: dict, host_flops_per_s: float) -> float:
     """A client's virtual time recomputed from its profile and what it measured.
 
-    Independent of the clock's code: compute rescaled by host / device FLOP/s, the
-    bytes over each link, one round trip per exchange (one per batch for SplitFed).
+    Independent of the clock's code: the FLOPs it counted at the device's FLOP/s (its
+    compute seconds rescaled by host / device FLOP/s where it counted none), the bytes
+    over each link, one round trip per exchange (one per batch for SplitFed).
     """
-    compute = float(row["compute_s"]) * host_flops_per_s / profile["flops_per_s"]
+    flops = float(row["flops"]) or float(row["compute_s"]) * host_flops_per_s
+    compute = flops / profile["flops_per_s"]
     up = float(row["bytes_up"]) * 8 / (profile["uplink_mbps"] * 1e6)
     down = float(row["bytes_down"]) * 8 / (profile["downlink_mbps"] * 1e6)
     return compute + up + down + float(row["steps"]) * profile["rtt_s"]
@@ -42,6 +44,7 @@ def test_flaky_network_scenario_times_rounds_and_leaves_out_stragglers(tmp_path)
     timed = [row for row in rows if row["status"] in ("ok", "straggler")]
     assert timed, "some clients must have trained"
     for row in timed:
+        assert float(row["flops"]) > 0  # emulated devices' compute is charged by its FLOPs
         expected = device_seconds(row, profiles[row["profile"]], host_flops)
         assert float(row["virtual_s"]) == pytest.approx(expected, rel=1e-6)
         # A client is a straggler exactly when its device would have missed the deadline.

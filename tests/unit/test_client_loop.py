@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -509,3 +510,64 @@ def test_a_warm_process_builds_a_simulated_devices_data_once(monkeypatch):
     for first, later in ((rounds[0], rounds[2]), (rounds[1], rounds[3])):
         assert all(torch.equal(a, b) for a, b in zip(first.tensors, later.tensors, strict=True))
     assert not torch.equal(rounds[0].tensors[0][:5], rounds[1].tensors[0][:5])
+
+
+def device_side_flops(model, cut: int, batches) -> float:  # noqa: ANN001
+    """Reference: FLOPs of stages [0, cut) trained alone on the batches (no trunk, no loss).
+
+    Each batch's forward, and its backward from a gradient at the cut, as the device runs
+    them; what the trunk computes for it is the trunk's.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    bottom = copy.deepcopy(model)
+    with FlopCounterMode(display=False) as counter:
+        for x, _ in batches:
+            out = x
+            for stage in bottom.stages[:cut]:
+                out = stage(out)
+            out.backward(torch.ones_like(out))
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3])
+def test_a_counted_round_charges_the_devices_own_flops_not_the_trunks(trunk_server_factory,
+                                                                       cut: int):
+    options = SplitFedV2Options(lr=0.1)
+    server = trunk_server_factory(digits_like_model(), options=options)
+    model = digits_like_model()
+    batches = fixed_batches(4)  # equal batches: the first one's count per example is exact
+    channel, _ = recording_channel(server, cut=cut)
+    log = BatchLog(channel)
+    step = SplitStep(model, RunSpec(strategy=options), cut=cut)
+    report = train_round(step, channel, plain(batches), epochs=1, count_flops=True,
+                         pacer=log)  # type: ignore[arg-type]
+    expected = device_side_flops(digits_like_model(), cut, batches)
+    # The trunk ran on this thread (in-process) and is not counted; the SGD step's
+    # element-wise updates count no FLOPs either.
+    assert report.flops == pytest.approx(expected, rel=1e-9)
+    assert [work.flops for work, _, _ in log.batches] == pytest.approx([expected / 4] * 4)
+    assert report.measurement.flops == report.flops
+    # Uncounted, the clock falls back on the host's seconds.
+    plain_report = train_round(SplitStep(digits_like_model(), RunSpec(strategy=options), cut=cut),
+                               recording_channel(server, cut=cut)[0], plain(batches), epochs=1)
+    assert plain_report.flops is None and plain_report.measurement.flops is None
+
+
+def test_the_clock_charges_counted_flops_at_the_devices_speed_whatever_the_host_took():
+    from splitlearn.planning.clock import client_time
+
+    device = DeviceProfile("test", flops_per_s=2e9, memory_bytes=1 << 30, uplink_mbps=8.0,
+                           downlink_mbps=16.0, rtt_s=0.05)
+    slow_host = ClientMeasurement(compute_s=9.0, bytes_up=10**6, bytes_down=2 * 10**6,
+                                  exchanges=3, flops=4e9)
+    quick_host = ClientMeasurement(compute_s=0.01, bytes_up=10**6, bytes_down=2 * 10**6,
+                                   exchanges=3, flops=4e9)
+    for work in (slow_host, quick_host):
+        time = client_time(work, device, host_flops_per_s=5e10)
+        assert time.compute_s == pytest.approx(2.0)  # 4 GFLOP at 2 GFLOP/s
+        assert time.upload_s == pytest.approx(1.0) and time.download_s == pytest.approx(1.0)
+        assert time.latency_s == pytest.approx(0.15)
+    # Without a count, the host's seconds at its FLOP/s, at the device's.
+    uncounted = client_time(replace(slow_host, flops=None), device, host_flops_per_s=5e10)
+    assert uncounted.compute_s == pytest.approx(9.0 * 5e10 / 2e9)
