@@ -708,8 +708,14 @@ class PlannerConfig:
 
     name: str = "uniform"  # uniform: every client at model.cut, as configured
     cuts: list[int] | None = None  # cuts a planner may give; None = every valid cut
-    every: int = 5  # dynsl: re-plan every R rounds
+    every: int = 1  # dynsl: re-plan every R rounds
     hysteresis: float = 0.05  # dynsl: a move must gain (1 + h) x its cost, and h x the round
+    # dynsl: rounds to the target with every device at the deepest cut over those at the
+    # shallowest, minus 1; a plan's round counts 1 + this x its depth (0: the round alone)
+    learning_penalty: float = 0.4
+    # dynsl: where a device not measured yet trains, with the measured devices' deadline:
+    # at the cut planned for the prior's guess of it (planned), or at its smallest cut
+    start: str = "planned"
     select_fraction: float = 1.0  # smartsplit: share of the clients that train per round
     # smartsplit: if set, the fewest; each round the size in between with the most utility
     # per predicted second trains (None: always select_fraction)
@@ -746,6 +752,8 @@ class PlannerConfig:
                              f"{self.select_fraction}], got {self.min_select_fraction}")
         if self.min_work is not None and not 0 < self.min_work <= 1:
             raise ValueError(f"planner.min_work must be in (0, 1], got {self.min_work}")
+        if self.start not in ("planned", "smallest"):
+            raise ValueError(f"planner.start={self.start!r}; accepted: planned, smallest")
         if self.selection not in ("utility", "random"):
             raise ValueError(f"planner.selection={self.selection!r}; accepted: utility, random")
         for key in ("exploration", "straggler_penalty"):
@@ -753,6 +761,9 @@ class PlannerConfig:
                 raise ValueError(f"planner.{key} must be >= 0, got {getattr(self, key)}")
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"planner.smoothing must be in (0, 1], got {self.smoothing}")
+        if not 0 <= self.learning_penalty < math.inf:
+            raise ValueError(
+                f"planner.learning_penalty must be finite and >= 0, got {self.learning_penalty}")
 
     @property
     def adaptive(self) -> bool:

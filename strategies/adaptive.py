@@ -63,7 +63,8 @@ def build_planner(cfg: PlannerConfig, cuts: Sequence[CutCost], *, shared_trunk: 
     common: dict[str, Any] = {"forbidden_cuts": floor, "shared_trunk": shared_trunk}
     options: dict[str, dict[str, Any]] = {
         "greedy": {},
-        "dynsl": {"every": cfg.every, "hysteresis": cfg.hysteresis},
+        "dynsl": {"every": cfg.every, "hysteresis": cfg.hysteresis,
+                  "learning_penalty": cfg.learning_penalty, "start": cfg.start},
         "smartsplit": {"select_fraction": cfg.select_fraction,
                        "min_select_fraction": cfg.min_select_fraction,
                        "min_work": cfg.min_work,

@@ -27,6 +27,7 @@ import inspect
 import math
 import random
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from splitlearn.planning.cost import (
@@ -213,9 +214,18 @@ class DynSLPlanner(FlooredPlanner):
     * gain = (kept round - new round) x R rounds;
     * cost = sum over moved clients of ``move_bytes`` / its slower link + one RTT.
 
+    A round is weighed by what it teaches as well as by its length, with
+    ``learning_penalty`` p: a device at a deeper cut trains more of the model on its own
+    (skewed) data, averaged FedAvg-style, and such rounds learn less, so the target takes
+    more of them. The planner minimises the round times ``1 + p x d``, where ``d`` is the
+    plan's share of the way from the shallowest allowed cut to the deepest, by the
+    device-side weights each device holds, weighted by its samples: with every device
+    at the deepest cut the target takes ``1 + p`` times the rounds it takes at the
+    shallowest (p = 0: the round alone). Rounds above stand for this score.
+
     The new plan is taken when ``gain > (1 + h) cost`` and ``gain > h x kept
     round``; then each moved client (costliest move first) is put back when that
-    does not lengthen the new plan's round. Between re-plans clients keep their
+    does not raise the new plan's score. Between re-plans clients keep their
     cuts. A client's current cut is the one this planner last gave it, else its
     ``current_cut``. A client without one, or whose cut no longer fits or is no
     longer allowed, gets the best cut given the others' kept cuts; such forced moves
@@ -229,6 +239,10 @@ class DynSLPlanner(FlooredPlanner):
         Rounds between re-plans, R >= 1.
     hysteresis : float
         h >= 0: the margin a re-plan must clear.
+    learning_penalty : float
+        p >= 0: rounds to a target with every device at the deepest allowed cut over
+        those at the shallowest, minus 1 (``python -m benchmarks planner`` reports it
+        for a scenario: ``implied_learning_penalty``).
     min_cut, forbidden_cuts
         The privacy floor.
     shared_trunk : bool
@@ -242,6 +256,8 @@ class DynSLPlanner(FlooredPlanner):
         every: int = 5,
         hysteresis: float = 0.1,
         *,
+        learning_penalty: float = 0.0,
+        start: str = "planned",
         min_cut: int | None = None,
         forbidden_cuts: Collection[int] = frozenset(),
         shared_trunk: bool = True,
@@ -251,8 +267,14 @@ class DynSLPlanner(FlooredPlanner):
             raise ValueError(f"every must be >= 1 round, got {every}")
         if hysteresis < 0:
             raise ValueError(f"hysteresis must be >= 0, got {hysteresis}")
+        if not learning_penalty >= 0 or not math.isfinite(learning_penalty):
+            raise ValueError(f"learning_penalty must be finite and >= 0, got {learning_penalty}")
         self.every = every
         self.hysteresis = hysteresis
+        if start not in ("planned", "smallest"):
+            raise ValueError(f"start must be 'planned' or 'smallest', got {start!r}")
+        self.learning_penalty = learning_penalty
+        self.start = start
         self.exact_limit = exact_limit
         super().__init__(min_cut=min_cut, forbidden_cuts=forbidden_cuts, shared_trunk=shared_trunk)
         # The planner's memory: the cut it last gave each client, and the clients it gave
@@ -260,6 +282,7 @@ class DynSLPlanner(FlooredPlanner):
         self.cuts: dict[str, int] = {}
         self.guessed: set[str] = set()
         self.last_gap = 0.0
+        self._penalties: dict[int, list[float]] = {}  # this plan's, by client index
 
     def is_replan_round(self, server_round: int) -> bool:
         """Whether ``server_round`` re-plans (rounds 1, 1 + R, ...)."""
@@ -277,11 +300,15 @@ class DynSLPlanner(FlooredPlanner):
         options, excluded = self.options(
             clients, cuts, trunk_flops_per_s=trunk_flops_per_s, allow_recompute=False
         )
+        if self.start == "smallest":  # not measured yet: its smallest cut until it is
+            options = [opts if c.measured or not opts else [min(opts, key=lambda o: o.cut)]
+                       for c, opts in zip(clients, options, strict=True)]
         taking = [i for i, opts in enumerate(options) if opts]
         by_cut = {c.cut: c for c in cuts}
         rounds = {i: [device_round(clients[i], by_cut[o.cut], trunk_flops_per_s=trunk_flops_per_s,
                                    trunk=0 if self.shared_trunk else clients[i].client)
                       for o in options[i]] for i in taking}
+        self._penalties = self._learning_penalties(clients, options, taking, cuts)
         current = {i: self._kept_index(clients[i], options[i]) for i in taking}
         for i in taking:  # placed by a guess before it was measured: placed again now
             if clients[i].measured and clients[i].client in self.guessed:
@@ -289,14 +316,16 @@ class DynSLPlanner(FlooredPlanner):
         self.guessed -= {c.client for c in clients if c.measured}
         pinned = [[rounds[i][current[i]]] if current[i] is not None else rounds[i]
                   for i in taking]
-        kept = best_choice(pinned, exact_limit=self.exact_limit)
+        kept = best_choice(pinned, exact_limit=self.exact_limit, penalties=[
+            [self._penalties[i][current[i]]] if current[i] is not None else self._penalties[i]
+            for i in taking])
         chosen = {i: current[i] if current[i] is not None else kept.picks[n]
                   for n, i in enumerate(taking)}
         if taking and self.is_replan_round(server_round):
             fresh = self._fresh(options, rounds, taking, cuts)
             self.last_gap = fresh.gap
             picks = dict(zip(taking, fresh.picks, strict=True))
-            if self._worth_moving(clients, cuts, options, current, kept.round_s, picks, rounds):
+            if self._worth_moving(clients, cuts, options, current, kept.score, picks, rounds):
                 chosen = self._revert_needless_moves(clients, cuts, options, current, picks,
                                                      rounds)
         plan = plan_from_choices(
@@ -305,7 +334,7 @@ class DynSLPlanner(FlooredPlanner):
             excluded, shared_trunk=self.shared_trunk)
         self.cuts.update((a.client, a.cut) for a in plan.assignments)
         self.guessed |= {c.client for c in clients if not c.measured}
-        return plan
+        return with_guess_deadlines(plan, {c.client for c in clients if not c.measured})
 
     def _fresh(self, options: Sequence[Sequence[Option]], rounds: dict[int, list[DeviceRound]],
                taking: Sequence[int], cuts: Sequence[CutCost]) -> Choice:
@@ -318,16 +347,31 @@ class DynSLPlanner(FlooredPlanner):
             starts.append([next((k for k, o in enumerate(options[i]) if o.cut == cut), 0)
                            for i in taking])
         return best_choice([rounds[i] for i in taking], starts=starts,
-                           exact_limit=self.exact_limit)
+                           exact_limit=self.exact_limit,
+                           penalties=[self._penalties[i] for i in taking])
+
+    def _learning_penalties(self, clients: Sequence[ClientState],
+                            options: Sequence[Sequence[Option]], taking: Sequence[int],
+                            cuts: Sequence[CutCost]) -> dict[int, list[float]]:
+        """Each taking client's option's share of ``p x d`` (see the class docstring)."""
+        weights = {c.cut: c.client_param_bytes for c in cuts}
+        low, high = min(weights.values(), default=0), max(weights.values(), default=0)
+        samples = sum(clients[i].samples for i in taking)
+        if self.learning_penalty == 0 or high <= low or samples <= 0:
+            return {i: [0.0] * len(options[i]) for i in taking}
+        return {i: [self.learning_penalty * clients[i].samples / samples
+                    * (weights[o.cut] - low) / (high - low) for o in options[i]]
+                for i in taking}
 
     def _kept_index(self, client: ClientState, options: Sequence[Option]) -> int | None:
         """Find the current cut among the feasible options (None: new, or it no longer fits)."""
         cut = self.cuts.get(client.client, client.current_cut)
         return next((k for k, o in enumerate(options) if o.cut == cut), None)
 
-    @staticmethod
-    def _round(picks: dict[int, int], rounds: dict[int, list[DeviceRound]]) -> float:
-        return round_seconds([rounds[i][k] for i, k in sorted(picks.items())])
+    def _round(self, picks: dict[int, int], rounds: dict[int, list[DeviceRound]]) -> float:
+        """Return the score of ``picks``: the round played out, times 1 + their penalties."""
+        seconds = round_seconds([rounds[i][k] for i, k in sorted(picks.items())])
+        return seconds * (1.0 + sum(self._penalties[i][k] for i, k in picks.items()))
 
     def _moves(self, clients: Sequence[ClientState], cuts: Sequence[CutCost],
                options: Sequence[Sequence[Option]], current: dict[int, int | None],
@@ -370,6 +414,25 @@ class DynSLPlanner(FlooredPlanner):
             if self._round(trial, rounds) <= limit:  # type: ignore[arg-type]
                 chosen = trial  # type: ignore[assignment]
         return chosen
+
+
+def with_guess_deadlines(plan: Plan, unmeasured: Collection[str]) -> Plan:
+    """Return ``plan`` with a deadline for each device it placed by the prior's guess.
+
+    Such a device may be far slower than the guess (a microcontroller board planned as
+    a phone), and one round of it at a cut that does not suit it can last several of the
+    others'. So it trains until the slowest measured device's predicted own time (the
+    prior's, when none is measured), on its own clock, and at least one batch (partial
+    work, :class:`clients.device.DeviceDeadline`): its round still measures it.
+    """
+    guessed = [a for a in plan.assignments if a.client in unmeasured]
+    if not guessed:
+        return plan
+    known = [a.client_s for a in plan.assignments if a.client not in unmeasured]
+    deadline = max(known or [a.client_s for a in guessed])
+    return replace(plan, assignments=tuple(
+        replace(a, deadline_s=deadline, least_work=0.0) if a.client in unmeasured else a
+        for a in plan.assignments))
 
 
 def _move_seconds(client: ClientState, cuts: Sequence[CutCost], old: int, new: int) -> float:

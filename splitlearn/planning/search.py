@@ -17,6 +17,11 @@ played-out round over one option per device:
 Either way it reports a lower bound of the optimum (:func:`lower_bound`), so a plan
 states how far from the best it can be: ``found / bound - 1`` (0 when exact, as the
 bound is then the optimum itself).
+
+With ``penalties`` (a share per option, >= 0) it minimises the round times ``1 + the
+chosen options' shares`` instead: the time to a target when a round's plan changes how
+many rounds that takes (a deep cut trains more of the model on one device's skewed
+data, so its rounds learn less; :class:`~splitlearn.planning.planners.DynSLPlanner`).
 """
 
 from __future__ import annotations
@@ -46,27 +51,47 @@ class Choice:
     round_s : float
         The round played out with those options.
     bound_s : float
-        A lower bound of the best round over every combination.
+        A lower bound of the best score over every combination.
     exact : bool
-        Whether every combination was tried (then ``round_s`` is the optimum).
+        Whether every combination was tried (then ``score_s`` is the optimum).
+    score_s : float | None
+        What was minimised: the round times 1 + the picks' penalties (None: the round).
     """
 
     picks: tuple[int, ...]
     round_s: float
     bound_s: float
     exact: bool
+    score_s: float | None = None
+
+    @property
+    def score(self) -> float:
+        """The minimised value: ``score_s``, else the round."""
+        return self.round_s if self.score_s is None else self.score_s
 
     @property
     def gap(self) -> float:
-        """How far above the optimum the round can be, at most, as a share of it."""
+        """How far above the optimum the score can be, at most, as a share of it."""
         if self.exact or self.bound_s <= 0:
             return 0.0
-        return max(self.round_s / self.bound_s - 1.0, 0.0)
+        return max(self.score / self.bound_s - 1.0, 0.0)
 
 
 def played(options: Sequence[Sequence[DeviceRound]], picks: Sequence[int]) -> float:
     """Return the round with option ``picks[i]`` of every device ``i``."""
     return round_seconds([device[k] for device, k in zip(options, picks, strict=True)])
+
+
+Penalties = Sequence[Sequence[float]] | None
+
+
+def scored(options: Sequence[Sequence[DeviceRound]], picks: Sequence[int],
+           penalties: Penalties = None) -> float:
+    """Return the round with ``picks`` times 1 + their penalties (the round without)."""
+    seconds = played(options, picks)
+    if penalties is None:
+        return seconds
+    return seconds * (1.0 + sum(p[k] for p, k in zip(penalties, picks, strict=True)))
 
 
 def lower_bound(options: Sequence[Sequence[DeviceRound]]) -> float:
@@ -91,7 +116,7 @@ def lower_bound(options: Sequence[Sequence[DeviceRound]]) -> float:
 
 def best_choice(options: Sequence[Sequence[DeviceRound]], *,
                 starts: Sequence[Sequence[int]] = (), exact_limit: int = EXACT_LIMIT,
-                descent_limit: int = DESCENT_LIMIT) -> Choice:
+                descent_limit: int = DESCENT_LIMIT, penalties: Penalties = None) -> Choice:
     """Return the options of least played-out round (see the module docstring).
 
     Parameters
@@ -105,28 +130,42 @@ def best_choice(options: Sequence[Sequence[DeviceRound]], *,
         The most combinations tried one by one.
     descent_limit : int
         The most devices descent runs for.
+    penalties : Sequence[Sequence[float]] | None
+        A share >= 0 per option of every device: the score is the round times 1 + the
+        picks' shares (None: the round alone).
     """
     if any(not device for device in options):
         raise ValueError("best_choice: every device needs at least one option")
-    bound = lower_bound(options)
+    if penalties is not None and (
+            [len(p) for p in penalties] != [len(d) for d in options]
+            or any(v < 0 or not math.isfinite(v) for p in penalties for v in p)):
+        raise ValueError("best_choice: penalties need a finite share >= 0 per option")
+    # Both factors of the score are at least their own minimum over the combinations.
+    bound = lower_bound(options) * (1.0 + sum(min(p) for p in penalties or ()))
     if math.prod(len(device) for device in options) <= exact_limit:
         picks = min(itertools.product(*(range(len(device)) for device in options)),
-                    key=lambda p: played(options, p), default=())
-        return Choice(tuple(picks), played(options, picks), bound, exact=True)
+                    key=lambda p: scored(options, p, penalties), default=())
+        return _choice(options, picks, penalties, bound, exact=True)
     best: tuple[float, tuple[int, ...]] | None = None
     for start in [[0] * len(options), *starts]:
-        found = (_descend(options, list(start)) if len(options) <= descent_limit
-                 else (played(options, start), tuple(start)))
+        found = (_descend(options, list(start), penalties) if len(options) <= descent_limit
+                 else (scored(options, start, penalties), tuple(start)))
         if best is None or found[0] < best[0]:
             best = found
     assert best is not None
-    return Choice(best[1], best[0], bound, exact=False)
+    return _choice(options, best[1], penalties, bound, exact=False)
 
 
-def _descend(options: Sequence[Sequence[DeviceRound]], picks: list[int]
-             ) -> tuple[float, tuple[int, ...]]:
-    """Change one device's option at a time while the round shortens; the local optimum."""
-    current = played(options, picks)
+def _choice(options: Sequence[Sequence[DeviceRound]], picks: Sequence[int],
+            penalties: Penalties, bound: float, *, exact: bool) -> Choice:
+    return Choice(tuple(picks), played(options, picks), bound, exact=exact,
+                  score_s=None if penalties is None else scored(options, picks, penalties))
+
+
+def _descend(options: Sequence[Sequence[DeviceRound]], picks: list[int],
+             penalties: Penalties = None) -> tuple[float, tuple[int, ...]]:
+    """Change one device's option at a time while the score falls; the local optimum."""
+    current = scored(options, picks, penalties)
     improved = True
     while improved:
         improved = False
@@ -135,7 +174,7 @@ def _descend(options: Sequence[Sequence[DeviceRound]], picks: list[int]
                 if k == picks[i]:
                     continue
                 trial = picks[:i] + [k] + picks[i + 1:]
-                seconds = played(options, trial)
+                seconds = scored(options, trial, penalties)
                 if seconds < current * (1 - 1e-12):
                     picks, current, improved = trial, seconds, True
     return current, tuple(picks)

@@ -195,6 +195,102 @@ def test_dynsl_plans_the_played_out_round_exactly_on_a_small_fleet(seed: int) ->
     assert played_round(plan, fresh, cuts, trunk) == pytest.approx(best, rel=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("penalty", [0.3, 2.0])
+def test_dynsl_weighs_each_round_by_what_its_cuts_teach(seed: int, penalty: float) -> None:
+    clients, cuts, trunk = random_instance(4, 4, seed=seed)
+    fresh = [replace(c, current_cut=None) for c in clients]
+    planner = DynSLPlanner(every=1, learning_penalty=penalty)
+    plan = planner.plan(1, fresh, cuts, trunk_flops_per_s=trunk)
+    # The reference: every combination's played-out round times 1 + p x its depth, the
+    # samples-weighted share of the way from the lightest device side to the heaviest.
+    by_cut = {c.cut: c for c in cuts}
+    low = min(c.client_param_bytes for c in cuts)
+    high = max(c.client_param_bytes for c in cuts)
+    samples = sum(c.samples for c in fresh)
+
+    def score(combo) -> float:  # noqa: ANN001
+        played = round_seconds([device_round(client, by_cut[cut], trunk_flops_per_s=trunk)
+                                for client, cut in zip(fresh, combo, strict=True)])
+        depth = sum(c.samples * (by_cut[cut].client_param_bytes - low) / (high - low)
+                    for c, cut in zip(fresh, combo, strict=True)) / samples
+        return played * (1 + penalty * depth)
+
+    options = [[c.cut for c in cuts if fits(client, c)] for client in fresh]
+    scores = {combo: score(combo) for combo in itertools.product(*options)}
+    chosen = tuple(plan.cut_of(c.client) for c in fresh)
+    assert score(chosen) == pytest.approx(min(scores.values()), rel=1e-12)
+    # Without the penalty the plan is the fastest round's, which teaches no better.
+    fastest = DynSLPlanner(every=1).plan(1, fresh, cuts, trunk_flops_per_s=trunk)
+    fast = tuple(fastest.cut_of(c.client) for c in fresh)
+    assert played_round(fastest, fresh, cuts, trunk) <= played_round(plan, fresh, cuts, trunk) * (
+        1 + 1e-12)
+    assert score(chosen) <= score(fast) * (1 + 1e-12)
+
+
+def test_dynsl_gives_a_device_its_shallower_cut_when_deep_rounds_learn_less() -> None:
+    # Cut 2 is 1 s faster (9 s against 10 s) but holds all the device-side weights.
+    cuts = [cut_cost(1, client_flops=1, server_flops=9),
+            cut_cost(2, client_flops=8, server_flops=1, params=1)]
+    client = [client_state("a", link=1e9)]
+    assert cuts_of(DynSLPlanner(every=1).plan(1, client, cuts, trunk_flops_per_s=1.0)) == {"a": 2}
+    # At p = 0.2 the deep round counts 9 x 1.2 = 10.8 s: cut 1's 10 s wins.
+    learning = DynSLPlanner(every=1, learning_penalty=0.2)
+    assert cuts_of(learning.plan(1, client, cuts, trunk_flops_per_s=1.0)) == {"a": 1}
+    # At p = 0.1 it counts 9.9 s: cut 2 still wins.
+    slight = DynSLPlanner(every=1, learning_penalty=0.1)
+    assert cuts_of(slight.plan(1, client, cuts, trunk_flops_per_s=1.0)) == {"a": 2}
+
+
+def test_dynsl_can_start_a_device_at_its_smallest_cut_until_it_is_measured() -> None:
+    # The prior guesses a fast device (cut 2); started at its smallest cut, it trains at
+    # cut 1 until measured, and then takes the cut its measurement plans.
+    cuts = [cut_cost(1, client_flops=1, server_flops=9), cut_cost(2, client_flops=2,
+                                                                  server_flops=1)]
+    guess = replace(client_state("a", flops=100.0), measured=False)
+    planned = DynSLPlanner(every=5)
+    assert cuts_of(planned.plan(1, [guess], cuts, trunk_flops_per_s=1.0)) == {"a": 2}
+    smallest = DynSLPlanner(every=5, start="smallest")
+    assert cuts_of(smallest.plan(1, [guess], cuts, trunk_flops_per_s=1.0)) == {"a": 1}
+    assert cuts_of(smallest.plan(2, [guess], cuts, trunk_flops_per_s=1.0)) == {"a": 1}
+    measured = client_state("a", flops=100.0)
+    assert cuts_of(smallest.plan(3, [measured], cuts, trunk_flops_per_s=1.0)) == {"a": 2}
+    # Its smallest cut that fits: with cut 1 forbidden, cut 2.
+    floored = DynSLPlanner(every=5, start="smallest", forbidden_cuts={1})
+    assert cuts_of(floored.plan(1, [guess], cuts, trunk_flops_per_s=1.0)) == {"a": 2}
+
+
+def test_dynsl_gives_a_device_placed_by_a_guess_the_measured_devices_deadline() -> None:
+    # "known" was measured (its own round at cut 1: 2 s of compute + 2 x 1 s of weights);
+    # "new" is the prior's guess: it trains until then, at least one batch, on its clock.
+    cuts = [cut_cost(1, client_flops=2, server_flops=1, params=1)]
+    known = client_state("known")
+    new = replace(client_state("new", flops=100.0), measured=False)
+    plan = DynSLPlanner(every=5).plan(1, [known, new], cuts, trunk_flops_per_s=1.0)
+    by_client = {a.client: a for a in plan.assignments}
+    assert by_client["known"].deadline_s is None
+    assert by_client["known"].client_s == pytest.approx(4.0)
+    assert by_client["new"].deadline_s == pytest.approx(4.0)
+    assert by_client["new"].least_work == 0.0  # one batch at least (clients.app.least_steps)
+    # With nobody measured, the slowest guess's own predicted time.
+    alone = DynSLPlanner(every=5).plan(1, [new, replace(new, client="other", flops_per_s=1.0)],
+                                       cuts, trunk_flops_per_s=1.0)
+    assert [a.deadline_s for a in alone.assignments] == pytest.approx([4.0, 4.0])
+    # Once measured, no deadline.
+    later = DynSLPlanner(every=5).plan(2, [known, replace(new, measured=True)], cuts,
+                                       trunk_flops_per_s=1.0)
+    assert {a.deadline_s for a in later.assignments} == {None}
+
+
+def test_dynsl_refuses_a_bad_penalty_or_start() -> None:
+    with pytest.raises(ValueError, match="learning_penalty"):
+        DynSLPlanner(learning_penalty=-0.1)
+    with pytest.raises(ValueError, match="learning_penalty"):
+        DynSLPlanner(learning_penalty=math.inf)
+    with pytest.raises(ValueError, match="start"):
+        DynSLPlanner(start="largest")
+
+
 def test_dynsl_beats_the_makespan_solver_and_every_uniform_cut_on_a_large_fleet() -> None:
     clients, cuts, trunk = random_instance(30, 6, seed=2)
     fresh = [replace(c, current_cut=None) for c in clients]

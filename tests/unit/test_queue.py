@@ -19,7 +19,7 @@ from splitlearn.planning.queue import (
     round_seconds,
     sequential_round_seconds,
 )
-from splitlearn.planning.search import best_choice, played
+from splitlearn.planning.search import best_choice, played, scored
 from splitlearn.planning.solve import random_instance, solve
 
 
@@ -156,3 +156,30 @@ def test_the_best_choice_is_the_best_combination_and_its_bound_holds(options):
         min(played(options, starts[0]), played(options, [0] * len(options))))
     with pytest.raises(ValueError, match="at least one option"):
         best_choice([*options, []])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(device, st.floats(0.0, 2.0)), min_size=1, max_size=3),
+                min_size=1, max_size=4))
+def test_with_penalties_the_best_choice_minimises_the_round_times_one_plus_them(devices):
+    options = [[d for d, _ in dev] for dev in devices]
+    penalties = [[p for _, p in dev] for dev in devices]
+    combos = list(itertools.product(*(range(len(d)) for d in options)))
+    # The reference: the round of each combination, times 1 + its options' shares.
+    every = {c: played(options, c) * (1 + sum(penalties[i][k] for i, k in enumerate(c)))
+             for c in combos}
+    exact = best_choice(options, penalties=penalties)
+    assert exact.exact and exact.score == pytest.approx(min(every.values()))
+    assert exact.round_s == pytest.approx(played(options, exact.picks))
+    assert exact.bound_s <= min(every.values()) + 1e-9
+    descended = best_choice(options, penalties=penalties, exact_limit=0)
+    assert min(every.values()) - 1e-9 <= descended.score <= every[(0,) * len(options)] + 1e-9
+    assert descended.bound_s <= min(every.values()) + 1e-9
+    assert descended.score == pytest.approx(scored(options, descended.picks, penalties))
+    # Zero penalties are the round alone.
+    zero = best_choice(options, penalties=[[0.0] * len(d) for d in options])
+    assert zero.score == pytest.approx(best_choice(options).round_s)
+    with pytest.raises(ValueError, match="penalties need"):
+        best_choice(options, penalties=[[-1.0] * len(d) for d in options])
+    with pytest.raises(ValueError, match="penalties need"):
+        best_choice(options, penalties=[[0.0] for _ in options[:-1]] + [[]])
