@@ -81,14 +81,33 @@ class RunResult:
     accuracy_at_budget: float = math.nan  # mean of the last evaluations by the time budget
     plan_errors: tuple[tuple[int, float], ...] = ()  # (round, predicted / clock - 1)
     cuts: tuple[str, ...] = ()  # per round, each device's cut or status (round_cuts)
+    rounds_to_target: float = math.inf  # the first round reaching the target (inf: none)
 
 
 def time_to_target(history: Sequence[dict], target: float) -> float:
     """Virtual seconds at the end of the first round reaching ``target`` (inf if none)."""
-    for row in history:
-        if row["round"] >= 1 and row["test_accuracy"] >= target:
-            return float(row["virtual_time_s"])
-    return math.inf
+    return next((float(row["virtual_time_s"]) for row in history
+                 if row["round"] >= 1 and row["test_accuracy"] >= target), math.inf)
+
+
+def rounds_to_target(history: Sequence[dict], target: float) -> float:
+    """Return the first round reaching ``target`` (inf if none)."""
+    return next((float(row["round"]) for row in history
+                 if row["round"] >= 1 and row["test_accuracy"] >= target), math.inf)
+
+
+def implied_learning_penalty(results: Sequence[RunResult], cuts: Sequence[int]) -> float | None:
+    """Mean rounds to target at the deepest uniform cut over those at the shallowest, - 1.
+
+    What ``planner.learning_penalty`` stands for on this scenario's runs (None: a cut
+    missing, or one never reached the target).
+    """
+    def mean_rounds(cut: int) -> float | None:
+        rounds = [r.rounds_to_target for r in results if r.method == f"cut={cut}"]
+        return statistics.fmean(rounds) if rounds and all(map(math.isfinite, rounds)) else None
+
+    shallow, deep = mean_rounds(min(cuts)), mean_rounds(max(cuts))
+    return None if shallow is None or deep is None else deep / shallow - 1.0
 
 
 def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
@@ -130,7 +149,7 @@ def run_once(scenario: str, seed: int, method: str, overrides: Sequence[str], *,
         rounds=int(final["round"]),
         plan_errors=tuple((int(r["round"]), float(r["plan_error"])) for r in history
                           if "plan_error" in r),
-        cuts=cuts,
+        cuts=cuts, rounds_to_target=rounds_to_target(history, target),
     )
 
 
@@ -201,8 +220,12 @@ def summarise(results: Sequence[RunResult], cuts: Sequence[int]) -> dict:
         best_planner = min(planners, key=planners.get)  # type: ignore[arg-type]
         best_uniform = min(uniform, key=uniform.get)  # type: ignore[arg-type]
         worst_uniform = max(uniform, key=uniform.get)  # type: ignore[arg-type]
+        rounds = {m: statistics.fmean(r.rounds_to_target for r in mine if r.method == m)
+                  for m in methods}
         summary[scenario] = {
-            "time_to_target_s": times, "final_accuracy": finals,
+            "time_to_target_s": times, "rounds_to_target": rounds, "final_accuracy": finals,
+            # What the deepest cut's runs say of learning_penalty (DynSL's weight of depth).
+            "implied_learning_penalty": implied_learning_penalty(mine, cuts),
             "accuracy_at_equal_time": at_time,
             "best_planner": best_planner, "best_uniform": best_uniform,
             "worst_uniform": worst_uniform,

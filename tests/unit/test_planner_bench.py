@@ -13,6 +13,7 @@ from benchmarks.planner import (
     accuracy_after,
     at_budget,
     round_cuts,
+    rounds_to_target,
     summarise,
     time_to_target,
 )
@@ -24,7 +25,7 @@ def run(method: str, curve: list[tuple[float, float]], *, seed: int = 0,
                for r, (t, a) in enumerate(curve)]
     return RunResult(scenario, seed, method, time_to_target(history, 0.9), curve[-1][0],
                      curve[-1][1], max(a for _, a in curve), 0.0, tuple(curve),
-                     rounds=len(curve) - 1)
+                     rounds=len(curve) - 1, rounds_to_target=rounds_to_target(history, 0.9))
 
 
 def test_time_to_target_is_the_end_of_the_first_round_at_target() -> None:
@@ -33,6 +34,8 @@ def test_time_to_target_is_the_end_of_the_first_round_at_target() -> None:
                {"round": 2, "virtual_time_s": 7.0, "test_accuracy": 0.91}]
     assert time_to_target(history, 0.9) == 7.0
     assert time_to_target(history, 0.99) == math.inf
+    assert rounds_to_target(history, 0.9) == 2.0
+    assert rounds_to_target(history, 0.99) == math.inf
 
 
 def test_accuracy_at_budget_averages_the_last_evaluations_by_then() -> None:
@@ -69,6 +72,24 @@ def test_summary_reductions_and_accuracy_gaps() -> None:
     assert summary["accuracy_gap_vs_best_uniform"] == pytest.approx(
         (0.93 + 0.94 + 0.96) / 3 - (0.91 + 0.95) / 2)
     assert summary["accuracy_gap_at_equal_rounds"] == pytest.approx(0.96 - 0.95)
+    # Rounds to 90%: cut 1 in 2, cut 2 in 1; the deepest cut's over the shallowest's - 1.
+    assert summary["rounds_to_target"]["cut=1"] == 2 and summary["rounds_to_target"]["cut=2"] == 1
+    assert summary["implied_learning_penalty"] == pytest.approx(1 / 2 - 1)
+
+
+def test_the_implied_learning_penalty_averages_seeds_and_needs_both_cuts_at_target() -> None:
+    from benchmarks.planner import implied_learning_penalty
+
+    shallow = [run("cut=1", [(0, 0.1)] + [(r, 0.5) for r in range(1, n)] + [(n, 0.95)], seed=s)
+               for s, n in enumerate((4, 6))]
+    deep = [run("cut=3", [(0, 0.1)] + [(r, 0.5) for r in range(1, n)] + [(n, 0.95)], seed=s)
+            for s, n in enumerate((6, 9))]
+    middle = [run("cut=2", [(0, 0.1), (1, 0.95)])]
+    assert implied_learning_penalty([*shallow, *deep, *middle], [1, 2, 3]) == pytest.approx(
+        7.5 / 5 - 1)
+    never = run("cut=3", [(0, 0.1), (1, 0.5)], seed=2)
+    assert implied_learning_penalty([*shallow, *deep, never], [1, 3]) is None
+    assert implied_learning_penalty(shallow, [1, 3]) is None
 
 
 def test_the_plan_errors_are_summed_up_over_runs_and_apart_from_the_prior_rounds() -> None:
