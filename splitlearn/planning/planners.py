@@ -243,6 +243,10 @@ class DynSLPlanner(FlooredPlanner):
         p >= 0: rounds to a target with every device at the deepest allowed cut over
         those at the shallowest, minus 1 (``python -m benchmarks planner`` reports it
         for a scenario: ``implied_learning_penalty``).
+    start : str
+        Where a client not measured yet trains: the cut planned for the prior's guess
+        of it (``"planned"``) or its smallest allowed cut (``"smallest"``). Either way
+        it keeps the measured clients' deadline (:func:`with_guess_deadlines`).
     min_cut, forbidden_cuts
         The privacy floor.
     shared_trunk : bool
