@@ -150,7 +150,7 @@ def central_on(overrides: Sequence[str], device: str, *, epochs: int) -> dict[st
 
 def part_resnet18(device: str, quick: bool, *, floor: float) -> dict[str, Any]:
     """SplitFed v2 with the trunk on ``device`` at 16 and 64 devices, against central."""
-    from benchmarks.overhead import steady_samples_per_s
+    from benchmarks.overhead import fraction_of, steady_samples_per_s
 
     counts = (4,) if quick else (16, 64)
     extra = ["strategy.num_rounds=3"] if quick else []
@@ -164,8 +164,10 @@ def part_resnet18(device: str, quick: bool, *, floor: float) -> dict[str, Any]:
         accuracy = rounds[-1]["test_accuracy"]
         row: dict[str, Any] = {"clients": clients, "test_accuracy": accuracy,
                                "samples_per_s": steady_samples_per_s(rounds)}
-        if accuracy >= floor and central["test_accuracy"] >= floor:
-            row["fraction_of_central"] = row["samples_per_s"] / central["samples_per_s"]
+        fraction = fraction_of(row, central["samples_per_s"],
+                               central_accuracy=central["test_accuracy"], floor=floor)
+        if fraction is not None:
+            row["fraction_of_central"] = fraction
         else:  # a throughput of training that does not learn is not a figure
             row["not_learning"] = f"accuracy below the floor {floor}"
         rows.append(row)

@@ -84,16 +84,22 @@ class RunResult:
     rounds_to_target: float = math.inf  # the first round reaching the target (inf: none)
 
 
+def _first_at_target(history: Sequence[dict], target: float) -> dict | None:
+    """Return the first trained round's row reaching ``target`` (None if none)."""
+    return next((row for row in history
+                 if row["round"] >= 1 and row["test_accuracy"] >= target), None)
+
+
 def time_to_target(history: Sequence[dict], target: float) -> float:
     """Virtual seconds at the end of the first round reaching ``target`` (inf if none)."""
-    return next((float(row["virtual_time_s"]) for row in history
-                 if row["round"] >= 1 and row["test_accuracy"] >= target), math.inf)
+    row = _first_at_target(history, target)
+    return math.inf if row is None else float(row["virtual_time_s"])
 
 
 def rounds_to_target(history: Sequence[dict], target: float) -> float:
     """Return the first round reaching ``target`` (inf if none)."""
-    return next((float(row["round"]) for row in history
-                 if row["round"] >= 1 and row["test_accuracy"] >= target), math.inf)
+    row = _first_at_target(history, target)
+    return math.inf if row is None else float(row["round"])
 
 
 def implied_learning_penalty(results: Sequence[RunResult], cuts: Sequence[int]) -> float | None:

@@ -39,8 +39,8 @@ from splitlearn.planning.cost import (
     move_bytes,
 )
 from splitlearn.planning.deadline import PartialChoice, deadline_choices, plan_with_steps
-from splitlearn.planning.queue import DeviceRound, round_seconds
-from splitlearn.planning.search import EXACT_LIMIT, Choice, best_choice
+from splitlearn.planning.queue import DeviceRound
+from splitlearn.planning.search import EXACT_LIMIT, Choice, best_choice, scored
 from splitlearn.planning.solve import (
     Option,
     TooManyAssignments,
@@ -374,8 +374,9 @@ class DynSLPlanner(FlooredPlanner):
 
     def _round(self, picks: dict[int, int], rounds: dict[int, list[DeviceRound]]) -> float:
         """Return the score of ``picks``: the round played out, times 1 + their penalties."""
-        seconds = round_seconds([rounds[i][k] for i, k in sorted(picks.items())])
-        return seconds * (1.0 + sum(self._penalties[i][k] for i, k in picks.items()))
+        order = sorted(picks)
+        return scored([rounds[i] for i in order], [picks[i] for i in order],
+                      [self._penalties[i] for i in order])
 
     def _moves(self, clients: Sequence[ClientState], cuts: Sequence[CutCost],
                options: Sequence[Sequence[Option]], current: dict[int, int | None],
